@@ -1,0 +1,240 @@
+"""Model configuration: one frozen dataclass and the named presets.
+
+`ModelConfig` holds every field of the MiniMax-M2 hub config that changes the
+computation, plus the ablation knobs the paper argues about (sliding-window vs
+full attention, sigmoid vs softmax gating, routing bias, fine vs coarse experts,
+dense FFN, MTP depth). It validates itself at construction and names the field
+that is wrong.
+
+Presets:
+  minimax_m2  exactly the public hub config (228.7B params, 9.8B active).
+  m2_small    M2's ratios at a size that trains on one 80 GB H100.
+  tiny        CPU tests and the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Attention kinds for `attention_pattern`.
+FULL = "full"
+SLIDING = "sliding"
+ATTENTION_KINDS = (FULL, SLIDING)
+GATINGS = ("sigmoid", "softmax")
+FFN_TYPES = ("moe", "dense")
+GMM_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A config field holds a value outside its allowed range."""
+
+
+def _fail(field: str, rule: str, value) -> None:
+  raise ConfigError(f"ModelConfig.{field}: {rule} (got {value!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a MiniMax-M2-style sparse MoE Transformer.
+
+  Field names follow the hub `config.json` where one exists (m2jax.hf maps
+  them). Defaults are MiniMax-M2's.
+  """
+
+  # Sizes (hub: vocab_size, hidden_size, num_hidden_layers).
+  vocab_size: int = 200064
+  hidden_size: int = 3072
+  num_layers: int = 62
+
+  # Attention (hub: num_attention_heads, num_key_value_heads, head_dim).
+  num_heads: int = 48
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  # Partial RoPE: rotate-half on dims [0, rotary_dim) of each head.
+  rotary_dim: int = 64
+  rope_theta: float = 5e6
+  # Per-layer QK norm: one RMSNorm over the whole q (and k) projection.
+  use_qk_norm: bool = True
+  max_position_embeddings: int = 196608
+  # Per-layer attention kinds ("full" or "sliding"), repeated cyclically over
+  # the layers: ("sliding",) * 3 + ("full",) is a 3:1 SWA:full inter-layer
+  # hybrid. M2 is all full.
+  attention_pattern: tuple[str, ...] = (FULL,)
+  sliding_window: int | None = None
+  # StreamingLLM-style sinks: the first `num_sink_tokens` positions of each
+  # document stay visible to every query of a sliding-window layer.
+  num_sink_tokens: int = 0
+  rms_norm_eps: float = 1e-6
+
+  # Feed-forward: "moe" (M2) or a dense SwiGLU of `dense_intermediate_size`.
+  ffn_type: str = "moe"
+  num_experts: int = 256
+  num_experts_per_tok: int = 8
+  moe_intermediate_size: int = 1536
+  dense_intermediate_size: int = 0
+  # Router: sigmoid scores (M2) or softmax; the bias only chooses experts.
+  gating: str = "sigmoid"
+  use_routing_bias: bool = True
+  routed_scaling_factor: float = 1.0
+  # Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean - load).
+  bias_update_rate: float = 1e-3
+  # Optional sequence-level load-balancing loss coefficient (0 = off).
+  aux_loss_coef: float = 0.0
+  gmm_backend: str = "auto"
+
+  # Multi-token prediction (hub: num_mtp_modules, mtp_transformer_layers).
+  num_mtp_modules: int = 3
+  mtp_transformer_layers: int = 1
+
+  # Numerics. Router and norms always run in float32.
+  param_dtype: str = "float32"
+  compute_dtype: str = "bfloat16"
+  attention_impl: str = "auto"
+  # Rematerialise each block in the backward pass (saves activation memory).
+  remat: bool = False
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+      if getattr(self, name) <= 0:
+        _fail(name, "must be positive", getattr(self, name))
+    if self.num_heads % self.num_kv_heads:
+      _fail("num_heads", f"must be divisible by num_kv_heads={self.num_kv_heads}",
+            self.num_heads)
+    if self.rotary_dim <= 0 or self.rotary_dim % 2:
+      _fail("rotary_dim", "must be a positive even number", self.rotary_dim)
+    if self.rotary_dim > self.head_dim:
+      _fail("rotary_dim", f"must be <= head_dim={self.head_dim}", self.rotary_dim)
+    if self.rope_theta <= 0:
+      _fail("rope_theta", "must be positive", self.rope_theta)
+    if self.rms_norm_eps <= 0:
+      _fail("rms_norm_eps", "must be positive", self.rms_norm_eps)
+    if not self.attention_pattern:
+      _fail("attention_pattern", "must name at least one attention kind",
+            self.attention_pattern)
+    for kind in self.attention_pattern:
+      if kind not in ATTENTION_KINDS:
+        _fail("attention_pattern", f"entries must be in {ATTENTION_KINDS}",
+              self.attention_pattern)
+    if SLIDING in self.attention_pattern:
+      if self.sliding_window is None or self.sliding_window <= 0:
+        _fail("sliding_window",
+              "must be a positive int when attention_pattern has 'sliding'",
+              self.sliding_window)
+    elif self.sliding_window is not None and self.sliding_window <= 0:
+      _fail("sliding_window", "must be positive or None", self.sliding_window)
+    if self.num_sink_tokens < 0:
+      _fail("num_sink_tokens", "must be >= 0", self.num_sink_tokens)
+    if self.ffn_type not in FFN_TYPES:
+      _fail("ffn_type", f"must be one of {FFN_TYPES}", self.ffn_type)
+    if self.ffn_type == "moe":
+      if self.num_experts <= 0:
+        _fail("num_experts", "must be positive", self.num_experts)
+      if not 0 < self.num_experts_per_tok <= self.num_experts:
+        _fail("num_experts_per_tok",
+              f"must be in [1, num_experts={self.num_experts}]",
+              self.num_experts_per_tok)
+      if self.moe_intermediate_size <= 0:
+        _fail("moe_intermediate_size", "must be positive",
+              self.moe_intermediate_size)
+    elif self.dense_intermediate_size <= 0:
+      _fail("dense_intermediate_size", "must be positive when ffn_type='dense'",
+            self.dense_intermediate_size)
+    if self.gating not in GATINGS:
+      _fail("gating", f"must be one of {GATINGS}", self.gating)
+    if self.bias_update_rate < 0:
+      _fail("bias_update_rate", "must be >= 0", self.bias_update_rate)
+    if self.aux_loss_coef < 0:
+      _fail("aux_loss_coef", "must be >= 0", self.aux_loss_coef)
+    if self.routed_scaling_factor <= 0:
+      _fail("routed_scaling_factor", "must be positive",
+            self.routed_scaling_factor)
+    if self.gmm_backend not in GMM_BACKENDS:
+      _fail("gmm_backend", f"must be one of {GMM_BACKENDS}", self.gmm_backend)
+    if self.num_mtp_modules < 0:
+      _fail("num_mtp_modules", "must be >= 0", self.num_mtp_modules)
+    if self.mtp_transformer_layers < 1:
+      _fail("mtp_transformer_layers", "must be >= 1",
+            self.mtp_transformer_layers)
+    for name in ("param_dtype", "compute_dtype"):
+      if getattr(self, name) not in DTYPES:
+        _fail(name, f"must be one of {DTYPES}", getattr(self, name))
+    if self.attention_impl not in ATTENTION_IMPLS:
+      _fail("attention_impl", f"must be one of {ATTENTION_IMPLS}",
+            self.attention_impl)
+
+  # Derived quantities.
+  @property
+  def num_groups(self) -> int:
+    """Query heads per KV head (GQA group size)."""
+    return self.num_heads // self.num_kv_heads
+
+  def layer_attention(self, layer: int) -> str:
+    """Attention kind of layer `layer` ("full" or "sliding")."""
+    return self.attention_pattern[layer % len(self.attention_pattern)]
+
+  def layer_window(self, layer: int) -> int | None:
+    """Sliding-window size of `layer`, or None for full attention."""
+    return self.sliding_window if self.layer_attention(layer) == SLIDING else None
+
+  def replace(self, **changes) -> "ModelConfig":
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+# MiniMax-M2, field for field from the public hub config.json.
+MINIMAX_M2 = ModelConfig()
+
+# M2's ratios (64 experts top-8, GQA 6:1, partial RoPE 0.5, per-layer QK norm)
+# at ~2.2B total / ~0.4B active: fits training on one 80 GB H100 with AdamW.
+M2_SMALL = ModelConfig(
+    vocab_size=32768,
+    hidden_size=1024,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=2,
+    head_dim=128,
+    rotary_dim=64,
+    rope_theta=5e6,
+    max_position_embeddings=32768,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    num_mtp_modules=1,
+)
+
+# CPU-sized: tests and `make demo` (byte-level vocabulary).
+TINY = ModelConfig(
+    vocab_size=264,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    rotary_dim=8,
+    rope_theta=1e4,
+    max_position_embeddings=4096,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    num_mtp_modules=1,
+    compute_dtype="float32",
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    "minimax_m2": MINIMAX_M2,
+    "m2_small": M2_SMALL,
+    "tiny": TINY,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+  """The preset called `name`; raises naming the known presets otherwise."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ConfigError(
+        f"unknown preset {name!r}; known presets: {sorted(PRESETS)}") from None

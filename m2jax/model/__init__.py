@@ -1,0 +1,92 @@
+"""Pure functional API over the MiniMax-M2 Flax modules.
+
+  variables = m2jax.model.init(config, jax.random.key(0))
+  logits_BxTxV = m2jax.model.logits(config, variables, tokens_BxT)
+  out = m2jax.model.forward(config, variables, tokens_BxT, mtp_depth=1)
+  out.mtp_logits[k - 1]     # depth k: position t predicts token t + k + 1
+  out.routing.load_E        # [L, E] per-layer expert load (for the bias)
+
+`variables` is a plain dict {"params": ..., "expert_bias": ...}: trainable
+parameters and the non-trainable routing bias, never hidden state.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from m2jax.config import ModelConfig
+from m2jax.model.moe import (EXPERT_BIAS, Routing, RoutingStats, route,
+                             update_expert_bias)
+from m2jax.model.transformer import ModelOutput, Transformer, shift_left
+
+__all__ = [
+    "EXPERT_BIAS", "ModelOutput", "Routing", "RoutingStats", "Transformer",
+    "forward", "init", "logical_axes", "logits", "mtp_logits", "route",
+    "routing_stats", "shift_left", "update_expert_bias",
+]
+
+
+def _module(config: ModelConfig) -> Transformer:
+  return Transformer(config)
+
+
+def _init_boxed(config: ModelConfig, rng):
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  return _module(config).init(rng, tokens,
+                              mtp_depth=config.num_mtp_modules)
+
+
+def init(config: ModelConfig, rng) -> dict:
+  """Fresh variables: {"params": ..., "expert_bias": ...} (bias zeros)."""
+  return nn.meta.unbox(jax.jit(_init_boxed, static_argnums=0)(config, rng))
+
+
+def logical_axes(config: ModelConfig) -> dict:
+  """Logical axis names of every variable, as a pytree of PartitionSpecs."""
+  boxed = jax.eval_shape(lambda: _init_boxed(config, jax.random.key(0)))
+  return nn.get_partition_spec(boxed)
+
+
+def _check_mtp(config: ModelConfig, variables, mtp_depth: int):
+  if not 0 <= mtp_depth <= config.num_mtp_modules:
+    raise ValueError(f"mtp_depth must be in [0, num_mtp_modules="
+                     f"{config.num_mtp_modules}], got {mtp_depth}")
+  missing = [k for k in range(mtp_depth)
+             if f"mtp_{k}" not in variables.get("params", {})]
+  if missing:
+    raise ValueError(
+        f"variables have no parameters for MTP modules {missing} (hub "
+        "checkpoints ship none): initialise or grow them before asking for "
+        "mtp_depth > 0")
+
+
+def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
+            positions=None, mtp_depth: int = 0) -> ModelOutput:
+  """Full forward pass: logits, MTP logits, last hidden state, routing."""
+  _check_mtp(config, variables, mtp_depth)
+  return _module(config).apply(variables, tokens_BxT, segment_ids, positions,
+                               mtp_depth=mtp_depth)
+
+
+def logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
+           positions=None):
+  """Next-token logits [B, T, V] in float32."""
+  return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
+                 positions=positions).logits
+
+
+def mtp_logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
+               positions=None, depth: int | None = None):
+  """Logits of MTP depths 1..depth (default: all modules), K x [B, T, V]."""
+  depth = config.num_mtp_modules if depth is None else depth
+  return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
+                 positions=positions, mtp_depth=depth).mtp_logits
+
+
+def routing_stats(config: ModelConfig, variables, tokens_BxT, *,
+                  segment_ids=None, positions=None) -> RoutingStats | None:
+  """Per-layer routing statistics ([L, E] load, [L] aux loss and entropy)."""
+  return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
+                 positions=positions).routing

@@ -1,0 +1,110 @@
+"""GQA self-attention with M2's per-layer QK norm and partial RoPE.
+
+Order of operations (HF `MiniMaxM2Attention`): project q, k, v; RMSNorm over
+the *whole* q projection (all heads at once) and over the whole k projection;
+split into heads; rotate-half RoPE on the first `rotary_dim` dims of each
+head; softmax attention where query head h reads KV head h // (H / KV).
+
+Masking: causal, never across segment ids (packed documents), optionally a
+sliding window on positions (i - j < window) with sink tokens (the first
+`num_sink_tokens` positions of each document stay visible).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from m2jax.config import ModelConfig
+from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
+                                dtype_of, param_init)
+
+_NEG_INF = -1e30
+
+
+def attention_mask(segment_ids_BxT, positions_BxT, *, window: int | None,
+                   num_sink_tokens: int = 0):
+  """Boolean [B, T, T] mask: query i may read key j.
+
+  Causal on the token index (so it also holds for tree layouts where
+  positions are depths), same segment, and, with a window, pos_i - pos_j <
+  window unless pos_j < num_sink_tokens.
+  """
+  T = segment_ids_BxT.shape[1]
+  idx = jnp.arange(T)
+  mask = (idx[None, :, None] >= idx[None, None, :])
+  mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
+  if window is not None:
+    dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
+    local = dist < window
+    if num_sink_tokens:
+      local = local | (positions_BxT[:, None, :] < num_sink_tokens)
+    mask = mask & local
+  return mask
+
+
+def dot_product_attention_xla(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
+  """Reference GQA attention: float32 logits and softmax."""
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxSxKxH.shape[2]
+  q = q_BxTxNxH.reshape(B, T, K, N // K, H)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH,
+                      preferred_element_type=jnp.float32)
+  logits = logits * (H ** -0.5)
+  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+
+
+def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
+  """Dispatch to cuDNN flash attention on GPU or the XLA reference."""
+  if impl == "auto":
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  if impl == "xla":
+    return dot_product_attention_xla(q, k, v, mask_BxTxS)
+  return jax.nn.dot_product_attention(
+      q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
+
+
+class Attention(nn.Module):
+  """One attention layer. `window=None` is full (causal) attention."""
+  config: ModelConfig
+  window: int | None = None
+
+  @nn.compact
+  def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
+    cfg = self.config
+    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+    wq = self.param("q_proj", param_init(cfg, ("embed", "q_heads", "head_dim")),
+                    (D, N, H), pdt)
+    wk = self.param("k_proj", param_init(cfg, ("embed", "kv_heads", "head_dim")),
+                    (D, K, H), pdt)
+    wv = self.param("v_proj", param_init(cfg, ("embed", "kv_heads", "head_dim")),
+                    (D, K, H), pdt)
+    wo = self.param("o_proj", param_init(cfg, ("q_heads", "head_dim", "embed")),
+                    (N, H, D), pdt)
+
+    x = x_BxTxD.astype(cdt)
+    q = jnp.einsum("btd,dnh->btnh", x, wq.astype(cdt))
+    k = jnp.einsum("btd,dkh->btkh", x, wk.astype(cdt))
+    v = jnp.einsum("btd,dkh->btkh", x, wv.astype(cdt))
+    if cfg.use_qk_norm:
+      q = RMSNorm((N, H), cfg.rms_norm_eps, ("q_heads", "head_dim"),
+                  cfg.param_dtype, name="q_norm")(q)
+      k = RMSNorm((K, H), cfg.rms_norm_eps, ("kv_heads", "head_dim"),
+                  cfg.param_dtype, name="k_norm")(k)
+    q = apply_partial_rope(q, positions_BxT, cfg.rotary_dim, cfg.rope_theta)
+    k = apply_partial_rope(k, positions_BxT, cfg.rotary_dim, cfg.rope_theta)
+    q = constrain(q, ("act_batch", "act_length", "act_heads", None))
+    k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
+    v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
+
+    mask = attention_mask(segment_ids_BxT, positions_BxT, window=self.window,
+                          num_sink_tokens=cfg.num_sink_tokens)
+    out = dot_product_attention(q, k, v, mask, impl=cfg.attention_impl)
+    y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cdt))
+    return constrain(y, ("act_batch", "act_length", "act_embed"))
