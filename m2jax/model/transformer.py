@@ -94,6 +94,7 @@ def shift_left(x_BxT, k: int, fill=0):
   """x[:, t + k] at position t; `fill` past the end."""
   if k == 0:
     return x_BxT
+  k = min(k, x_BxT.shape[1])
   pad = jnp.full((x_BxT.shape[0], k) + x_BxT.shape[2:], fill, x_BxT.dtype)
   return jnp.concatenate([x_BxT[:, k:], pad], axis=1)
 

@@ -1,0 +1,42 @@
+"""Pretraining data: corpus, tokenizers, packing, grain pipelines.
+
+  config.py     DataConfig
+  corpus.py     the embedded stdlib corpus, user text/JSONL, the hash split
+  tokenizer.py  the Tokenizer protocol and the byte tokenizer (default)
+  bpe.py        optional byte-level BPE trained with HF `tokenizers`
+  packing.py    the batch format, next_token_targets, bytes per target
+  pipeline.py   grain pipelines: make_tokenizer, make_dataset, make_iterator
+"""
+
+from m2jax.data.config import DataConfig
+from m2jax.data.corpus import Documents, hash_fraction, split_documents
+from m2jax.data.packing import next_token_targets, target_bytes
+from m2jax.data.pipeline import (
+    bytes_per_token,
+    make_dataset,
+    make_iterator,
+    make_tokenizer,
+)
+from m2jax.data.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    encode_document,
+    load_tokenizer,
+)
+
+__all__ = [
+    "ByteTokenizer",
+    "DataConfig",
+    "Documents",
+    "Tokenizer",
+    "bytes_per_token",
+    "encode_document",
+    "hash_fraction",
+    "load_tokenizer",
+    "make_dataset",
+    "make_iterator",
+    "make_tokenizer",
+    "next_token_targets",
+    "split_documents",
+    "target_bytes",
+]

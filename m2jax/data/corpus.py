@@ -1,0 +1,220 @@
+"""Documents: the embedded stdlib corpus, user text/JSONL files, the split.
+
+The default corpus needs no download: every *.py file of the running
+interpreter's standard library (`sysconfig.get_paths()['stdlib']`), without
+site-packages, __pycache__ and the build-specific _sysconfigdata*.py, with the
+stdlib's own test suites unless `DataConfig.stdlib_tests` is off.
+
+Train/validation split: a document goes to validation when
+`hash_fraction(key) < validation_fraction`, where the key is the file's path
+relative to the corpus root in POSIX form ("email/parser.py") for whole-file
+documents, and the stripped line itself for JSONL documents (so duplicates land
+in the same split). The hash is SHA-256, so the split is the same on every
+machine and a file keeps its side across Python patch versions as long as its
+path does.
+
+A `Documents` is a random-access sequence of str (grain's data-source
+protocol: `len` and `__getitem__`); files are read lazily, so the index of a
+large corpus costs a few ints per document.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import sysconfig
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from m2jax.data.config import STDLIB, DataConfig
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# Directory names never descended into in the stdlib.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+_GLOB_CHARS = frozenset("*?[")
+
+
+def hash_fraction(key: str | bytes) -> float:
+  """Maps a key to [0, 1) with SHA-256: stable across machines and runs."""
+  data = key.encode("utf-8") if isinstance(key, str) else key
+  return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") / 2.0**64
+
+
+class Documents(Sequence[str]):
+  """Lazily read documents: whole files, or byte ranges holding JSONL lines.
+
+  Attributes:
+    files: the distinct file paths.
+    file_index: [N] int32, which file each document is in.
+    offset: [N] int64, byte offset of a JSONL line, -1 for a whole file.
+    length: [N] int64, byte length of the JSONL line (unused for whole files).
+    text_field: the JSONL key holding the text.
+  """
+
+  def __init__(self, files: Sequence[str], file_index, offset, length,
+               text_field: str = "text"):
+    self.files = list(files)
+    self.file_index = np.asarray(file_index, np.int32)
+    self.offset = np.asarray(offset, np.int64)
+    self.length = np.asarray(length, np.int64)
+    self.text_field = text_field
+
+  def __len__(self) -> int:
+    return len(self.file_index)
+
+  def __getitem__(self, index: int) -> str:
+    path = self.files[self.file_index[index]]
+    offset = int(self.offset[index])
+    if offset < 0:
+      with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
+    with open(path, "rb") as f:
+      f.seek(offset)
+      line = f.read(int(self.length[index]))
+    try:
+      text = json.loads(line)[self.text_field]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(
+          f"{path} (byte {offset}): not a JSON object with a string field "
+          f"{self.text_field!r}: {e!r}") from e
+    if not isinstance(text, str):
+      raise ValueError(f"{path} (byte {offset}): field {self.text_field!r} "
+                       f"is {type(text).__name__}, not a string")
+    return text
+
+  def __iter__(self) -> Iterator[str]:
+    return (self[i] for i in range(len(self)))
+
+  def take(self, n: int | None) -> Documents:
+    """The first n documents (all when n is None)."""
+    if n is None:
+      return self
+    return Documents(self.files, self.file_index[:n], self.offset[:n],
+                     self.length[:n], self.text_field)
+
+
+def stdlib_root() -> pathlib.Path:
+  """The running interpreter's standard-library directory."""
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(include_tests: bool = True) -> list[tuple[str, str]]:
+  """(key, path) of every non-empty stdlib *.py file, sorted by key."""
+  root = stdlib_root()
+  skip = _STDLIB_SKIP_DIRS | (frozenset() if include_tests
+                              else _STDLIB_TEST_DIRS)
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in skip]
+    for name in filenames:
+      if not name.endswith(".py") or name.startswith("_sysconfigdata"):
+        continue
+      path = os.path.join(dirpath, name)
+      if os.path.getsize(path) > 0:
+        found.append((_key(path, root), path))
+  return sorted(found)
+
+
+def user_files(source: str) -> list[tuple[str, str]]:
+  """(key, path) of a file, every file below a directory, or a glob's files.
+
+  Keys are paths relative to the directory (or the glob's fixed prefix).
+  Hidden files and directories (".name") are skipped; so are empty files.
+  """
+  if any(c in _GLOB_CHARS for c in source):
+    root = _glob_root(source)
+    paths = [p for p in glob.glob(source, recursive=True)
+             if os.path.isfile(p)]
+  elif os.path.isdir(source):
+    root = pathlib.Path(source)
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(source):
+      dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+      paths += [os.path.join(dirpath, n) for n in filenames
+                if not n.startswith(".")]
+  elif os.path.isfile(source):
+    root = pathlib.Path(source).parent
+    paths = [source]
+  else:
+    raise FileNotFoundError(f"data source {source!r}: no such file, "
+                            "directory or glob match")
+  found = sorted((_key(p, root), p) for p in paths if os.path.getsize(p) > 0)
+  if not found:
+    raise FileNotFoundError(f"data source {source!r} holds no non-empty files")
+  return found
+
+
+def split_documents(config: DataConfig) -> dict[str, Documents]:
+  """The "train" and "validation" documents that `config` describes."""
+  if config.validation_source is not None:
+    train = _index(config.source, config, None)
+    validation = _index(config.validation_source, config, None)
+  else:
+    train = _index(config.source, config, False)
+    validation = _index(config.source, config, True)
+  return {"train": train.take(config.max_documents),
+          "validation": validation.take(config.max_documents)}
+
+
+def _index(source: str, config: DataConfig, validation: bool | None
+           ) -> Documents:
+  """Indexes `source`, keeping one side of the hash split (None: all)."""
+  if source == STDLIB:
+    files = stdlib_files(config.stdlib_tests)
+  else:
+    files = user_files(source)
+  fraction = config.validation_fraction
+  keep = (lambda key: True) if validation is None else (
+      lambda key: (hash_fraction(key) < fraction) == validation)
+  paths, file_index, offset, length = [], [], [], []
+  for key, path in files:
+    if source != STDLIB and _is_jsonl(path, config.format):
+      for line_offset, line in _jsonl_lines(path):
+        if keep(line):
+          if not paths or paths[-1] != path:
+            paths.append(path)
+          file_index.append(len(paths) - 1)
+          offset.append(line_offset)
+          length.append(len(line))
+    elif keep(key):
+      paths.append(path)
+      file_index.append(len(paths) - 1)
+      offset.append(-1)
+      length.append(0)
+  return Documents(paths, file_index, offset, length, config.text_field)
+
+
+def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
+  """(byte offset, stripped line) of every non-blank line."""
+  offset = 0
+  with open(path, "rb") as f:
+    for line in f:
+      stripped = line.strip()
+      if stripped:
+        yield offset + (len(line) - len(line.lstrip())), stripped
+      offset += len(line)
+
+
+def _is_jsonl(path: str, fmt: str) -> bool:
+  if fmt == "auto":
+    return path.lower().endswith(JSONL_SUFFIXES)
+  return fmt == "jsonl"
+
+
+def _key(path: str, root: pathlib.Path) -> str:
+  return pathlib.Path(os.path.relpath(path, root)).as_posix()
+
+
+def _glob_root(pattern: str) -> pathlib.Path:
+  parts = pathlib.Path(pattern).parts
+  fixed = []
+  for part in parts:
+    if any(c in _GLOB_CHARS for c in part):
+      break
+    fixed.append(part)
+  return pathlib.Path(*fixed) if fixed else pathlib.Path(".")

@@ -1,0 +1,277 @@
+"""Model semantics on tiny shapes: causality, GQA, RoPE, routing, MoE, MTP."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.model import attention, layers, moe
+
+CFG = config_lib.TINY.replace(num_layers=2, num_mtp_modules=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _variables(cfg, seed=0):
+  v = model.init(cfg, jax.random.key(seed))
+  # Non-zero bias so the routing path with a bias is exercised.
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: (jax.random.normal(jax.random.key(7), x.shape) * 0.1
+                    if p[0].key == model.EXPERT_BIAS else x), v)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward(cfg, mtp_depth=0):
+  return jax.jit(functools.partial(model.forward, cfg, mtp_depth=mtp_depth))
+
+
+def _tokens(shape, seed=1, vocab=CFG.vocab_size):
+  return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+def test_shapes_and_dtypes():
+  v = _variables(CFG)
+  tok = _tokens((2, 12))
+  out = _forward(CFG, 2)(v, tok)
+  chex.assert_shape(out.logits, (2, 12, CFG.vocab_size))
+  assert out.logits.dtype == jnp.float32
+  assert len(out.mtp_logits) == 2
+  chex.assert_shape(out.routing.load_E, (CFG.num_layers, CFG.num_experts))
+  # Every valid token makes top_k assignments in every layer.
+  np.testing.assert_allclose(out.routing.load_E.sum(-1),
+                             2 * 12 * CFG.num_experts_per_tok)
+  chex.assert_tree_all_finite(out)
+
+
+def test_jit_matches_eager():
+  v = _variables(CFG)
+  tok = _tokens((1, 8))
+  eager = model.logits(CFG, v, tok)
+  np.testing.assert_allclose(_forward(CFG)(v, tok).logits, eager, atol=1e-5)
+
+
+def test_causality_by_gradient():
+  """d logits[t] / d embedding of a token placed after t is exactly zero."""
+  cfg = CFG
+  v = _variables(cfg)
+  T = 10
+  tok = jnp.arange(T)[None] + 3  # distinct tokens: one embedding row each
+  t = 4
+
+  def f(emb):
+    params = dict(v["params"], embedding=emb)
+    return model.logits(cfg, dict(v, params=params), tok)[0, t].sum()
+
+  g = jax.grad(f)(v["params"]["embedding"])
+  row_norm = jnp.abs(g[tok[0]]).sum(-1)
+  assert np.all(np.asarray(row_norm[t + 1:]) == 0.0)
+  assert np.all(np.asarray(row_norm[:t + 1]) > 0.0)
+
+
+def test_gqa_head_mapping():
+  """Query head h reads KV head h // (H / KV)."""
+  B, T, N, K, H = 2, 5, 6, 2, 8
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (B, T, N, H))
+  k = jax.random.normal(keys[1], (B, T, K, H))
+  v = jax.random.normal(keys[2], (B, T, K, H))
+  mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(B, 0)
+  out = attention.dot_product_attention_xla(q, k, v, mask)
+  for h in range(N):
+    kv = h // (N // K)
+    s = jnp.einsum("btd,bsd->bts", q[:, :, h], k[:, :, kv]) / np.sqrt(H)
+    s = jnp.where(mask, s, -jnp.inf)
+    ref = jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, -1), v[:, :, kv])
+    np.testing.assert_allclose(out[:, :, h], ref, atol=1e-5)
+
+
+def test_partial_rope_matches_direct_formula():
+  B, T, N, H, rd, theta = 1, 7, 3, 12, 8, 100.0
+  x = np.asarray(jax.random.normal(jax.random.key(0), (B, T, N, H)))
+  pos = np.array([[0, 1, 2, 5, 9, 30, 100]])
+  out = np.asarray(layers.apply_partial_rope(jnp.asarray(x), jnp.asarray(pos),
+                                             rd, theta))
+  ref = x.copy()
+  half = rd // 2
+  for t in range(T):
+    for i in range(half):
+      a = pos[0, t] * theta ** (-2 * i / rd)
+      x1, x2 = x[0, t, :, i], x[0, t, :, i + half]
+      ref[0, t, :, i] = x1 * np.cos(a) - x2 * np.sin(a)
+      ref[0, t, :, i + half] = x2 * np.cos(a) + x1 * np.sin(a)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+  np.testing.assert_array_equal(out[..., rd:], x[..., rd:])
+
+
+def test_router_bias_chooses_but_never_weights():
+  # One token, identity router: gate logits are the token's features.
+  x = jnp.array([[0.0, 1.0, 2.0, -1.0]])
+  router = jnp.eye(4)
+  s = jax.nn.sigmoid(x[0])
+  plain = moe.route(x, router, None, top_k=2, gating="sigmoid", scaling=1.0)
+  assert set(np.asarray(plain.experts_TxK[0])) == {1, 2}
+  np.testing.assert_allclose(
+      sorted(np.asarray(plain.weights_TxK[0])),
+      sorted([s[1] / (s[1] + s[2]), s[2] / (s[1] + s[2])]), rtol=1e-6)
+
+  bias = jnp.array([5.0, 0.0, 0.0, 0.0])
+  biased = moe.route(x, router, bias, top_k=2, gating="sigmoid", scaling=1.0)
+  chosen = list(np.asarray(biased.experts_TxK[0]))
+  assert set(chosen) == {0, 2}
+  expected = {0: s[0] / (s[0] + s[2]), 2: s[2] / (s[0] + s[2])}
+  for e, w in zip(chosen, np.asarray(biased.weights_TxK[0])):
+    np.testing.assert_allclose(w, expected[e], rtol=1e-6)
+  np.testing.assert_allclose(biased.scores_TxE, plain.scores_TxE)
+
+
+def test_routing_scaling_and_softmax_gating():
+  x = jax.random.normal(jax.random.key(0), (5, 4))
+  router = jax.random.normal(jax.random.key(1), (4, 6))
+  r = moe.route(x, router, None, top_k=3, gating="softmax", scaling=2.5)
+  np.testing.assert_allclose(r.weights_TxK.sum(-1), 2.5, rtol=1e-6)
+  np.testing.assert_allclose(r.scores_TxE.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_moe_equals_dense_per_expert_loop():
+  cfg = CFG
+  D, E = cfg.hidden_size, cfg.num_experts
+  mod = moe.MoE(cfg)
+  x = jax.random.normal(jax.random.key(3), (2, 6, D))
+  valid = jnp.ones((2, 6), bool)
+  v = nn.meta.unbox(mod.init(jax.random.key(4), x, valid))
+  v = {"params": v["params"],
+       "expert_bias": {"bias": jax.random.normal(jax.random.key(5), (E,))}}
+  y, _ = mod.apply(v, x, valid)
+
+  p, bias = v["params"], v["expert_bias"]["bias"]
+  xt = np.asarray(x.reshape(-1, D), np.float64)
+  scores = 1 / (1 + np.exp(-(xt @ np.asarray(p["router"], np.float64))))
+  ref = np.zeros_like(xt)
+  for t in range(xt.shape[0]):
+    chosen = np.argsort(-(scores[t] + np.asarray(bias)))[:cfg.num_experts_per_tok]
+    w = scores[t, chosen] / scores[t, chosen].sum()
+    for e, we in zip(chosen, w):
+      w1, w3, w2 = (np.asarray(p[n][e], np.float64) for n in ("w1", "w3", "w2"))
+      a, b = xt[t] @ w1, xt[t] @ w3
+      ref[t] += we * ((a / (1 + np.exp(-a)) * b) @ w2)
+  np.testing.assert_allclose(np.asarray(y).reshape(-1, D), ref, atol=1e-5)
+
+
+def test_expert_bias_update_rule():
+  load = jnp.array([[10.0, 2.0, 6.0, 6.0]])
+  bias = jnp.zeros((1, 4))
+  new = model.update_expert_bias(bias, load, 0.01)
+  np.testing.assert_allclose(new, [[-0.01, 0.01, 0.0, 0.0]])
+
+
+def test_bias_update_balances_load():
+  """Repeated updates from the model's own load statistics reduce imbalance."""
+  cfg = CFG.replace(num_mtp_modules=0, bias_update_rate=0.01)
+  v = jax.tree.map(lambda x: x, _variables(cfg))  # a copy we may mutate
+  tok = _tokens((4, 32), seed=9)
+  fwd = _forward(cfg)
+
+  def cv(load):
+    return float(jnp.mean(jnp.std(load, -1) / jnp.mean(load, -1)))
+
+  start = cv(fwd(v, tok).routing.load_E)
+  for _ in range(20):
+    load = fwd(v, tok).routing.load_E
+    for i in range(cfg.num_layers):
+      b = v["expert_bias"][f"layers_{i}"]["moe"]["bias"]
+      v["expert_bias"][f"layers_{i}"]["moe"]["bias"] = model.update_expert_bias(
+          b, load[i], cfg.bias_update_rate)
+  assert cv(fwd(v, tok).routing.load_E) < 0.5 * start
+
+
+def test_segment_isolation_and_padding():
+  """Packed documents give the same logits as each document alone."""
+  cfg = CFG
+  v = _variables(cfg)
+  a, b = _tokens((1, 5), seed=2), _tokens((1, 6), seed=3)
+  fwd = _forward(cfg)
+  alone_a, alone_b = fwd(v, a).logits, fwd(v, b).logits
+  packed = jnp.concatenate([a, b, jnp.zeros((1, 3), jnp.int32)], axis=1)
+  seg = jnp.array([[1] * 5 + [2] * 6 + [0] * 3])
+  out = fwd(v, packed, segment_ids=seg)
+  np.testing.assert_allclose(out.logits[:, :5], alone_a, atol=1e-5)
+  np.testing.assert_allclose(out.logits[:, 5:11], alone_b, atol=1e-5)
+  # Padding is excluded from the routing load.
+  np.testing.assert_allclose(out.routing.load_E.sum(-1),
+                             11 * cfg.num_experts_per_tok)
+
+
+def test_mtp_depth_k_sees_exactly_tokens_up_to_t_plus_k():
+  """Depth k at position t predicts token t+k+1, so it may read t+k, not t+k+1."""
+  cfg = CFG
+  v = _variables(cfg)
+  fwd = _forward(cfg, 2)
+  tok = _tokens((1, 12), seed=4)
+  base = fwd(v, tok).mtp_logits
+  t = 3
+  for k in (1, 2):
+    seen = tok.at[0, t + k].set((tok[0, t + k] + 1) % cfg.vocab_size)
+    unseen = tok.at[0, t + k + 1].set((tok[0, t + k + 1] + 1) % cfg.vocab_size)
+    changed = fwd(v, seen).mtp_logits[k - 1]
+    same = fwd(v, unseen).mtp_logits[k - 1]
+    assert not np.allclose(changed[0, t], base[k - 1][0, t], atol=1e-6)
+    np.testing.assert_allclose(same[0, : t + 1], base[k - 1][0, : t + 1],
+                               atol=1e-6)
+
+
+def test_mtp_missing_params_is_a_clear_error():
+  v = _variables(CFG)
+  params = {k: x for k, x in v["params"].items() if not k.startswith("mtp_")}
+  with pytest.raises(ValueError, match="MTP modules"):
+    model.forward(CFG, dict(v, params=params), _tokens((1, 4)), mtp_depth=1)
+  # Without MTP the same variables still give logits.
+  model.logits(CFG, dict(v, params=params), _tokens((1, 4)))
+
+
+def _brute_mask(seg, pos, window, sinks):
+  T = len(seg)
+  m = np.zeros((T, T), bool)
+  for i in range(T):
+    for j in range(T):
+      ok = j <= i and seg[i] == seg[j]
+      if window is not None:
+        ok = ok and (pos[i] - pos[j] < window or pos[j] < sinks)
+      m[i, j] = ok
+  return m
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (3, 0), (3, 2), (1, 1)])
+def test_attention_mask(window, sinks):
+  seg = np.array([1, 1, 1, 1, 1, 1, 2, 2, 2, 0])
+  pos = np.asarray(layers.positions_from_segments(jnp.asarray(seg[None])))[0]
+  np.testing.assert_array_equal(pos, [0, 1, 2, 3, 4, 5, 0, 1, 2, 0])
+  got = attention.attention_mask(jnp.asarray(seg[None]), jnp.asarray(pos[None]),
+                                 window=window, num_sink_tokens=sinks)[0]
+  np.testing.assert_array_equal(got, _brute_mask(seg, pos, window, sinks))
+
+
+def test_sliding_window_layer_differs_only_beyond_window():
+  full = CFG.replace(num_mtp_modules=0)
+  swa = full.replace(attention_pattern=("sliding", "full"), sliding_window=4)
+  v = _variables(full)
+  tok = _tokens((1, 10), seed=5)
+  a, b = _forward(full)(v, tok).logits, _forward(swa)(v, tok).logits
+  np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-5)
+  assert not np.allclose(a[:, 4:], b[:, 4:], atol=1e-4)
+
+
+def test_dense_ffn_variant_and_bf16():
+  cfg = CFG.replace(ffn_type="dense", dense_intermediate_size=48,
+                    num_mtp_modules=0)
+  v = model.init(cfg, jax.random.key(0))
+  assert "mlp" in v["params"]["layers_0"] and "expert_bias" not in v
+  out = _forward(cfg)(v, _tokens((1, 6)))
+  assert out.routing is None
+  bf = cfg.replace(compute_dtype="bfloat16")
+  np.testing.assert_allclose(_forward(bf)(v, _tokens((1, 6))).logits,
+                             out.logits, atol=5e-2)
