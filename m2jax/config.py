@@ -239,3 +239,46 @@ def get_preset(name: str) -> ModelConfig:
   except KeyError:
     raise ConfigError(
         f"unknown preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def _parse_value(field: dataclasses.Field, current, text: str):
+  """Parse `text` for `field`, guided by the type of its current value."""
+  kind = field.type if isinstance(field.type, str) else getattr(
+      field.type, "__name__", str(field.type))
+  if text.lower() in ("none", "null") and "None" in kind:
+    return None
+  if isinstance(current, bool) or kind == "bool":
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ConfigError(f"{field.name}: expected true/false, got {text!r}")
+    return text.lower() in ("true", "1")
+  if isinstance(current, tuple) or kind.startswith("tuple"):
+    return tuple(s for s in text.split(",") if s)
+  if isinstance(current, int) or kind.startswith("int"):
+    return int(text)
+  if isinstance(current, float) or kind.startswith("float"):
+    return float(text)
+  return text
+
+
+def apply_overrides(config, overrides) -> object:
+  """`config` with "field=value" strings applied (validated again).
+
+  Works for any of m2jax's frozen config dataclasses, e.g.
+  apply_overrides(TINY, ["num_layers=4", "attention_pattern=sliding,full"]).
+  """
+  fields = {f.name: f for f in dataclasses.fields(config)}
+  changes = {}
+  for item in overrides or ():
+    name, sep, text = item.partition("=")
+    name = name.strip()
+    if not sep or name not in fields:
+      raise ConfigError(
+          f"override {item!r}: expected FIELD=VALUE with FIELD one of "
+          f"{sorted(fields)}")
+    try:
+      changes[name] = _parse_value(fields[name], getattr(config, name),
+                                   text.strip())
+    except ValueError as e:
+      raise ConfigError(f"{type(config).__name__}.{name}: cannot parse "
+                        f"{text!r} ({e})") from None
+  return dataclasses.replace(config, **changes)

@@ -25,6 +25,7 @@ __all__ = [
     "EXPERT_BIAS", "ModelOutput", "Routing", "RoutingStats", "Transformer",
     "forward", "init", "logical_axes", "logits", "mtp_logits", "route",
     "routing_stats", "shift_left", "update_expert_bias",
+    "update_expert_biases",
 ]
 
 
@@ -90,3 +91,38 @@ def routing_stats(config: ModelConfig, variables, tokens_BxT, *,
   """Per-layer routing statistics ([L, E] load, [L] aux loss and entropy)."""
   return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
                  positions=positions).routing
+
+
+def _bias_paths(config: ModelConfig, mtp_depth: int) -> list[str]:
+  """Bias leaves in the order of ModelOutput.routing then .mtp_routing."""
+  paths = [f"layers_{i}/moe/bias" for i in range(config.num_layers)]
+  paths += [f"mtp_{k}/block_{j}/moe/bias" for k in range(mtp_depth)
+            for j in range(config.mtp_transformer_layers)]
+  return paths
+
+
+def update_expert_biases(config: ModelConfig, expert_bias, out: ModelOutput,
+                         rate: float | None = None):
+  """Aux-loss-free update of every bias the forward pass routed with.
+
+  Uses the per-layer load in `out.routing` (and `out.mtp_routing` for the
+  MTP blocks that ran); biases of MTP modules that did not run stay as they
+  are. Pure: returns the new "expert_bias" tree.
+  """
+  rate = config.bias_update_rate if rate is None else rate
+  if not expert_bias or out.routing is None:
+    return expert_bias
+  loads = [out.routing.load_E]
+  if out.mtp_routing is not None:
+    loads.append(out.mtp_routing.load_E)
+  load = jnp.concatenate(loads, axis=0)
+  depth = len(out.mtp_logits)
+  index = {p: i for i, p in enumerate(_bias_paths(config, depth))}
+
+  def update(path, bias):
+    key = "/".join(getattr(k, "key", str(k)) for k in path)
+    if key not in index:
+      return bias
+    return update_expert_bias(bias, load[index[key]], rate)
+
+  return jax.tree_util.tree_map_with_path(update, expert_bias)

@@ -1,0 +1,88 @@
+"""Pretrain a MiniMax-M2-style model (the main job; `make demo` runs it).
+
+  python -m experiments.pretrain --preset=tiny --steps=300 --workdir=runs/tiny
+  python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
+  python -m experiments.pretrain --preset=m2_small --data=/path/*.jsonl \
+      --seq_len=2048 --batch_size=16 --override=gmm_backend=pallas
+
+All logic is in m2jax.train.loop; this file only turns flags into configs.
+"""
+
+import json
+
+from absl import app, flags
+
+from m2jax import config as config_lib
+from m2jax.data import DataConfig
+from m2jax.train.config import TrainConfig
+from m2jax.train.loop import pretrain
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "tiny", f"One of {sorted(config_lib.PRESETS)}.")
+flags.DEFINE_multi_string("override", [],
+                          "ModelConfig FIELD=VALUE, repeatable "
+                          "(e.g. attention_pattern=sliding,full).")
+flags.DEFINE_string("workdir", "runs/pretrain", "Run directory.")
+flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint.")
+# Data.
+flags.DEFINE_string("data", "stdlib",
+                    "'stdlib' (embedded corpus), a directory, file or glob of "
+                    ".txt / .jsonl documents.")
+flags.DEFINE_enum("tokenizer", "byte", ["byte", "bpe"], "Tokenizer.")
+flags.DEFINE_integer("bpe_vocab_size", 4096, "BPE vocabulary size.")
+flags.DEFINE_integer("seq_len", 256, "Tokens per packed row.")
+flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
+# Optimisation.
+flags.DEFINE_integer("steps", 300, "Optimizer steps.")
+flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "Optimizer.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
+flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
+flags.DEFINE_float("decay_fraction", 0.2, "Final fraction of steps that decay.")
+flags.DEFINE_float("weight_decay", 0.1, "Weight decay on matrices.")
+flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
+flags.DEFINE_integer("mtp_depth", 1, "MTP modules trained (<= the preset's).")
+flags.DEFINE_float("mtp_weight", 0.3, "MTP loss weight in the stable phase.")
+flags.DEFINE_float("mtp_weight_final", 0.1, "MTP weight at the end of decay.")
+flags.DEFINE_float("z_loss", 0.0, "z-loss coefficient.")
+flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
+flags.DEFINE_integer("seed", 0, "Init and data seed.")
+# Cadence.
+flags.DEFINE_integer("log_every", 10, "Steps between metric lines.")
+flags.DEFINE_integer("eval_every", 100, "Steps between validation evals.")
+flags.DEFINE_integer("eval_batches", 8, "Validation batches per eval.")
+flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
+flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
+flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
+
+
+def main(argv):
+  del argv
+  model_config = config_lib.apply_overrides(
+      config_lib.get_preset(FLAGS.preset), FLAGS.override)
+  data_config = DataConfig(
+      source=FLAGS.data, tokenizer=FLAGS.tokenizer,
+      bpe_vocab_size=FLAGS.bpe_vocab_size, seq_len=FLAGS.seq_len,
+      batch_size=FLAGS.batch_size, seed=FLAGS.seed)
+  train_config = TrainConfig(
+      steps=FLAGS.steps, seed=FLAGS.seed, optimizer=FLAGS.optimizer,
+      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+      decay_fraction=FLAGS.decay_fraction, weight_decay=FLAGS.weight_decay,
+      grad_clip=FLAGS.grad_clip, mtp_depth=FLAGS.mtp_depth,
+      mtp_weight=FLAGS.mtp_weight, mtp_weight_final=FLAGS.mtp_weight_final,
+      z_loss_coef=FLAGS.z_loss, aux_loss_coef=FLAGS.aux_loss,
+      log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
+      eval_batches=FLAGS.eval_batches,
+      checkpoint_every=FLAGS.checkpoint_every,
+      keep_checkpoints=FLAGS.keep_checkpoints)
+  summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,
+                     resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens)
+  sample = summary.pop("sample", None)
+  summary.pop("state", None)
+  print(json.dumps(summary, indent=2))
+  if sample is not None:
+    print("--- greedy sample ---")
+    print(sample)
+
+
+if __name__ == "__main__":
+  app.run(main)

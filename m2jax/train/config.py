@@ -1,0 +1,85 @@
+"""Training configuration: optimizer, schedule, losses, MTP, logging cadence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from m2jax.config import ConfigError
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def _fail(field, rule, value):
+  raise ConfigError(f"TrainConfig.{field}: {rule} (got {value!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """How to train. Model shape lives in ModelConfig, data in DataConfig."""
+
+  steps: int = 1000
+  seed: int = 0
+  # Optimizer.
+  optimizer: str = "adamw"
+  learning_rate: float = 3e-4
+  min_lr_ratio: float = 0.1          # lr at the end of the decay phase
+  warmup_steps: int = 100
+  # Warmup-stable-decay: the last `decay_fraction` of steps decay linearly
+  # (M2: 19.9T constant + 9.3T decay tokens, i.e. ~0.32).
+  decay_fraction: float = 0.2
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0
+  # Losses. MTP weight 0.3 in the stable phase, annealed to 0.1 over the
+  # decay phase (the paper's pretraining recipe).
+  mtp_depth: int = 1
+  mtp_weight: float = 0.3
+  mtp_weight_final: float = 0.1
+  z_loss_coef: float = 0.0
+  # None = the model config's aux_loss_coef.
+  aux_loss_coef: float | None = None
+  # Train only the MTP modules (the main model frozen): MTP growth phase.
+  mtp_only: bool = False
+  # Cadence.
+  log_every: int = 10
+  eval_every: int = 100
+  eval_batches: int = 8
+  checkpoint_every: int = 100
+  keep_checkpoints: int = 3
+
+  def __post_init__(self):
+    if self.steps <= 0:
+      _fail("steps", "must be positive", self.steps)
+    if self.optimizer not in OPTIMIZERS:
+      _fail("optimizer", f"must be one of {OPTIMIZERS}", self.optimizer)
+    if self.learning_rate <= 0:
+      _fail("learning_rate", "must be positive", self.learning_rate)
+    if not 0 <= self.min_lr_ratio <= 1:
+      _fail("min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+    if self.warmup_steps < 0:
+      _fail("warmup_steps", "must be >= 0", self.warmup_steps)
+    if not 0 <= self.decay_fraction <= 1:
+      _fail("decay_fraction", "must be in [0, 1]", self.decay_fraction)
+    if self.grad_clip <= 0:
+      _fail("grad_clip", "must be positive", self.grad_clip)
+    if self.mtp_depth < 0:
+      _fail("mtp_depth", "must be >= 0", self.mtp_depth)
+    if self.mtp_only and self.mtp_depth == 0:
+      _fail("mtp_only", "needs mtp_depth >= 1", self.mtp_only)
+    for name in ("mtp_weight", "mtp_weight_final", "z_loss_coef"):
+      if getattr(self, name) < 0:
+        _fail(name, "must be >= 0", getattr(self, name))
+    for name in ("log_every", "eval_every", "checkpoint_every",
+                 "keep_checkpoints", "eval_batches"):
+      if getattr(self, name) <= 0:
+        _fail(name, "must be positive", getattr(self, name))
+
+  @property
+  def decay_start(self) -> int:
+    """First step of the decay phase."""
+    return self.steps - int(round(self.decay_fraction * self.steps))
+
+  def replace(self, **changes) -> "TrainConfig":
+    return dataclasses.replace(self, **changes)

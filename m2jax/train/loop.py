@@ -1,0 +1,162 @@
+"""The pretraining loop: data -> jitted steps -> logs, evals, checkpoints.
+
+`pretrain(...)` is what experiments/pretrain.py and `make demo` run. A run
+lives in WORKDIR:
+  config.json        the model, train and data configs
+  tokenizer/         the tokenizer (trained BPE or the byte tokenizer)
+  checkpoints/<n>/   orbax: train state, data-iterator state, meta
+  metrics.jsonl      one object per logged step; eval lines with val_loss
+  tensorboard/       the same scalars for TensorBoard
+  sample.txt         a greedy sample from the final model
+Resuming restores the newest complete checkpoint (state and data position)
+and continues exactly: losses and parameters equal an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from m2jax import model
+from m2jax import params as params_lib
+from m2jax.config import ConfigError, ModelConfig
+from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
+from m2jax.infer import sample
+from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import step as step_lib
+from m2jax.train.config import TrainConfig
+from m2jax.train.metrics import MetricsWriter, peak_flops
+
+
+def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
+             max_batches: int) -> dict:
+  """Validation loss in nats per token and bits per byte."""
+  nats = tokens = nbytes = 0.0
+  for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation")):
+    if i >= max_batches:
+      break
+    out = eval_fn(state, _device_batch(batch))
+    nats += float(out["nats"])
+    tokens += float(out["tokens"])
+    nbytes += float(out["bytes"])
+  return {"val_loss": nats / max(tokens, 1.0),
+          "val_bpb": nats / math.log(2) / max(nbytes, 1.0)}
+
+
+def _device_batch(batch):
+  return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def _write_configs(workdir, mcfg, tcfg, dcfg):
+  path = os.path.join(workdir, "config.json")
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"model": ckpt_lib.config_dict(mcfg),
+               "train": ckpt_lib.config_dict(tcfg),
+               "data": ckpt_lib.config_dict(dcfg)}, f, indent=2)
+  os.replace(tmp, path)
+
+
+def pretrain(model_config: ModelConfig, train_config: TrainConfig,
+             data_config: DataConfig, workdir: str, *, resume: bool = False,
+             sample_prompt: str = "def ", sample_tokens: int = 64,
+             stop_after: int | None = None, progress: bool = True,
+             init_variables=None) -> dict:
+  """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
+
+  `stop_after` ends the loop early at that step (as if killed there, but
+  cleanly); `init_variables` starts from given variables instead of a fresh
+  init (MTP growth).
+  """
+  mcfg, tcfg, dcfg = model_config, train_config, data_config
+  os.makedirs(workdir, exist_ok=True)
+  tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
+  if tokenizer.vocab_size > mcfg.vocab_size:
+    raise ConfigError(
+        f"ModelConfig.vocab_size: {mcfg.vocab_size} is smaller than the "
+        f"tokenizer's vocabulary ({tokenizer.vocab_size})")
+
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=tcfg.keep_checkpoints)
+  if checkpointer.steps() and not resume:
+    raise FileExistsError(
+        f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "
+        "--resume to continue it or choose another --workdir")
+
+  variables = init_variables
+  if variables is None:
+    variables = model.init(mcfg, jax.random.key(tcfg.seed))
+  state = step_lib.init_state(tcfg, variables)
+  data_state = None
+  start = 0
+  if resume and checkpointer.steps():
+    restored = checkpointer.restore_latest(ckpt_lib.abstract(state))
+    if restored is None:
+      raise RuntimeError(f"no checkpoint in {checkpointer.directory} loads")
+    start, state, data_state, meta = restored
+    ckpt_lib.check_same_config(meta["model"], mcfg, "model config")
+    ckpt_lib.check_same_config(meta["data"], dcfg, "data config")
+    print(f"resumed from step {start} in {checkpointer.directory}")
+  _write_configs(workdir, mcfg, tcfg, dcfg)
+
+  train_it = make_iterator(dcfg, tokenizer, "train", state=data_state)
+  train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg)
+  writer = MetricsWriter(workdir, resume_step=start if resume else None)
+  meta = {"model": ckpt_lib.config_dict(mcfg),
+          "train": ckpt_lib.config_dict(tcfg),
+          "data": ckpt_lib.config_dict(dcfg)}
+  flops_per_token = params_lib.flops_per_token(mcfg, dcfg.seq_len)
+  peak = peak_flops()
+  end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
+
+  summary = {}
+  bar = tqdm(total=tcfg.steps, initial=start, disable=not progress,
+             desc="pretrain", unit="step", dynamic_ncols=True)
+  tick, tick_tokens = time.perf_counter(), 0
+  for step in range(start, end):
+    batch = next(train_it)
+    state, metrics = train_fn(state, _device_batch(batch))
+    tick_tokens += dcfg.batch_size * dcfg.seq_len
+    done = step + 1
+    if done % tcfg.log_every == 0 or done == end:
+      metrics = jax.device_get(metrics)
+      elapsed = time.perf_counter() - tick
+      tps = tick_tokens / max(elapsed, 1e-9)
+      metrics["tokens_per_sec"] = tps
+      if peak:
+        metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+      writer.write(done, metrics)
+      summary["loss"] = float(metrics["loss"])
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{tps:,.0f}")
+      tick, tick_tokens = time.perf_counter(), 0
+    if done % tcfg.eval_every == 0 or done == tcfg.steps:
+      ev = evaluate(eval_fn, state, dcfg, tokenizer, tcfg.eval_batches)
+      writer.write(done, ev)
+      summary.update(ev)
+      bar.write(f"step {done}: val_loss {ev['val_loss']:.4f} nats/token, "
+                f"{ev['val_bpb']:.4f} bits/byte")
+    if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
+      checkpointer.save(done, state, train_it.get_state(), meta)
+    bar.update(1)
+  bar.close()
+  writer.close()
+  checkpointer.close()
+
+  summary["step"] = int(state.step)
+  summary["state"] = state
+  if int(state.step) == tcfg.steps and sample_tokens:
+    prompt = np.concatenate([[tokenizer.bos_id],
+                             tokenizer.encode(sample_prompt)])
+    ids = sample.greedy(mcfg, step_lib.variables_of(state), prompt,
+                        sample_tokens)
+    text = tokenizer.decode(np.asarray(ids))
+    with open(os.path.join(workdir, "sample.txt"), "w", encoding="utf-8") as f:
+      f.write(text)
+    summary["sample"] = text
+  return summary
