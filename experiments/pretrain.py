@@ -10,7 +10,7 @@ All logic is in m2jax.train.loop; this file only turns flags into configs.
 
 import json
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
@@ -57,6 +57,7 @@ flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
   model_config = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override)
   data_config = DataConfig(

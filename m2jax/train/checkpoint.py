@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -62,7 +63,11 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def restore_latest(self, abstract_state) -> tuple[int, Any, dict, dict] | None:
-    """(step, state, data_state, meta) of the newest step that loads."""
+    """(step, state, data_state, meta) of the newest step that loads.
+
+    Steps that fail to load are moved to ../checkpoints_corrupt/ (kept for
+    inspection, out of the way of the steps this run will save again).
+    """
     for step in reversed(self.steps()):
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -75,9 +80,19 @@ class Checkpointer:
                     type(e).__name__, str(e).splitlines()[0][:200])
         print(f"WARNING: checkpoint step {step} is corrupt or partial "
               f"({type(e).__name__}); falling back to an earlier step")
+        self._quarantine(step)
         continue
       return step, restored["state"], restored["data"], restored["meta"]
     return None
+
+  def _quarantine(self, step: int) -> None:
+    corrupt = os.path.join(os.path.dirname(self.directory),
+                           "checkpoints_corrupt")
+    os.makedirs(corrupt, exist_ok=True)
+    target = os.path.join(corrupt, f"{step}.{int(time.time())}")
+    os.rename(os.path.join(self.directory, str(step)), target)
+    print(f"moved the unreadable step {step} to {target}")
+    self._manager.reload()
 
   def close(self) -> None:
     self._manager.close()

@@ -72,7 +72,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
 
   `stop_after` ends the loop early at that step (as if killed there, but
   cleanly); `init_variables` starts from given variables instead of a fresh
-  init (MTP growth).
+  init (MTP growth); their buffers are donated to the first step.
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   os.makedirs(workdir, exist_ok=True)

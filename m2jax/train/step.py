@@ -72,7 +72,7 @@ def train_step(state: TrainState, batch, *, model_config: ModelConfig,
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
-  metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+  metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                  lr=schedules.learning_rate(train_config)(state.step))
   return TrainState(state.step + 1, params, opt_state, bias), metrics
 

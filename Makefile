@@ -1,0 +1,33 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   create .venv (Python 3.12), install, pretrain the tiny preset on CPU
+#   make test   create .venv (Python 3.12), install, run the test suite
+
+VENV := .venv
+PY := $(VENV)/bin/python
+# The first Python 3.12 found: on the PATH, or under pyenv.
+PY312 := $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	  $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && echo $$p && break; done)
+DEMO_DIR ?= runs/demo
+
+.PHONY: venv demo test clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@test -n "$(PY312)" || { echo "Python 3.12 not found (tried python3.12 and ~/.pyenv/versions/3.12*)"; exit 1; }
+	$(PY312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	rm -rf $(DEMO_DIR)
+	$(PY) -m experiments.pretrain --preset=tiny --steps=400 --seq_len=256 \
+	  --batch_size=8 --learning_rate=3e-3 --warmup_steps=20 --eval_every=100 \
+	  --checkpoint_every=100 --workdir=$(DEMO_DIR)
+
+test: venv
+	$(PY) -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

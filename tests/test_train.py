@@ -1,0 +1,174 @@
+"""Training: falling loss, exact resume after SIGKILL, checkpoint safety."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.config import ConfigError
+from m2jax.data import DataConfig
+from m2jax.train import schedules
+from m2jax.train.checkpoint import Checkpointer
+from m2jax.train.config import TrainConfig
+from m2jax.train.loop import pretrain
+from m2jax.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["num_layers=1", "hidden_size=32", "num_heads=4", "num_kv_heads=2",
+         "head_dim=8", "rotary_dim=4", "num_experts=4",
+         "moe_intermediate_size=16"]
+MCFG = config_lib.apply_overrides(config_lib.TINY, SMALL)
+
+
+def _corpus(tmp_path):
+  d = tmp_path / "corpus"
+  d.mkdir()
+  rng = random.Random(0)
+  words = ["alpha", "beta", "gamma", "delta", "def", "return", "(x)", "\n"]
+  for i in range(40):
+    (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words)
+                                            for _ in range(60)))
+  return str(d)
+
+
+def _configs(tmp_path, **train):
+  dcfg = DataConfig(source=_corpus(tmp_path), seq_len=32, batch_size=2,
+                    validation_fraction=0.2)
+  tcfg = TrainConfig(**{"steps": 12, "learning_rate": 3e-3, "warmup_steps": 2,
+                        "log_every": 1, "eval_every": 6, "eval_batches": 2,
+                        "checkpoint_every": 3, **train})
+  return dcfg, tcfg
+
+
+def test_wsd_schedule_and_mtp_anneal():
+  tcfg = TrainConfig(steps=100, warmup_steps=10, decay_fraction=0.2,
+                     learning_rate=1.0, min_lr_ratio=0.1)
+  lr = schedules.learning_rate(tcfg)
+  np.testing.assert_allclose([lr(0), lr(9), lr(50), lr(80), lr(100)],
+                             [0.1, 1.0, 1.0, 1.0, 0.1], rtol=1e-6)
+  np.testing.assert_allclose(
+      [schedules.mtp_weight(tcfg, s) for s in (0, 79, 90, 100)],
+      [0.3, 0.3, 0.2, 0.1], rtol=1e-6)
+
+
+def test_loss_falls_and_outputs_exist(tmp_path):
+  dcfg, tcfg = _configs(tmp_path, steps=40, eval_every=20)
+  workdir = str(tmp_path / "run")
+  summary = pretrain(MCFG, tcfg, dcfg, workdir, progress=False,
+                     sample_tokens=8)
+  lines = read_metrics(workdir)
+  losses = [l["loss"] for l in lines if "loss" in l]
+  vals = [l["val_loss"] for l in lines if "val_loss" in l]
+  assert len(losses) == 40 and len(vals) == 2
+  assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:3])
+  assert vals[-1] < vals[0]
+  assert "mtp/acceptance_1" in lines[0] and "router/load_cv" in lines[0]
+  assert os.path.exists(os.path.join(workdir, "sample.txt"))
+  assert summary["step"] == 40
+  # Every 3 steps plus the last, keeping the newest three.
+  assert Checkpointer(os.path.join(workdir, "checkpoints"),
+                      keep=3).steps() == [36, 39, 40]
+
+
+def _run_cli(workdir, corpus, *extra):
+  cmd = [sys.executable, "-m", "experiments.pretrain", "--preset=tiny",
+         f"--workdir={workdir}", f"--data={corpus}", "--seq_len=32",
+         "--batch_size=2", "--steps=14", "--log_every=1", "--eval_every=7",
+         "--eval_batches=2", "--checkpoint_every=2", "--sample_tokens=0",
+         "--warmup_steps=2", *[f"--override={o}" for o in SMALL], *extra]
+  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _final_params(workdir):
+  ck = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3)
+  import orbax.checkpoint as ocp
+  step = ck.steps()[-1]
+  restored = ocp.StandardCheckpointer().restore(
+      os.path.join(workdir, "checkpoints", str(step), "state"))
+  return step, restored
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+  corpus = _corpus(tmp_path)
+  ref_dir, kill_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
+  ref = _run_cli(ref_dir, corpus)
+  victim = _run_cli(kill_dir, corpus)
+  kill_at = random.Random().randint(3, 11)
+  metrics = os.path.join(kill_dir, "metrics.jsonl")
+  deadline = time.time() + 240
+  while time.time() < deadline:
+    if os.path.exists(metrics):
+      with open(metrics) as f:
+        if sum(1 for _ in f) >= kill_at:
+          break
+    if victim.poll() is not None:
+      break
+    time.sleep(0.05)
+  victim.send_signal(signal.SIGKILL)
+  victim.wait()
+  assert ref.wait() == 0, ref.stderr.read()
+  resumed = _run_cli(kill_dir, corpus, "--resume")
+  assert resumed.wait() == 0, resumed.stderr.read()
+
+  ref_lines, kill_lines = read_metrics(ref_dir), read_metrics(kill_dir)
+  assert [l["step"] for l in kill_lines] == [l["step"] for l in ref_lines]
+  for a, b in zip(ref_lines, kill_lines):
+    for key in ("loss", "val_loss", "grad_norm"):
+      assert a.get(key) == b.get(key), (key, a["step"], kill_at)
+  (s1, p1), (s2, p2) = _final_params(ref_dir), _final_params(kill_dir)
+  assert s1 == s2 == 14
+  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, capsys):
+  dcfg, tcfg = _configs(tmp_path)
+  workdir = str(tmp_path / "run")
+  pretrain(MCFG, tcfg, dcfg, workdir, progress=False, stop_after=6,
+           sample_tokens=0)
+  state_dir = os.path.join(workdir, "checkpoints", "6", "state")
+  for root, _, files in os.walk(state_dir):
+    for name in files:
+      if name != "commit_success.txt":
+        with open(os.path.join(root, name), "wb") as f:
+          f.write(b"garbage")
+  summary = pretrain(MCFG, tcfg, dcfg, workdir, progress=False, resume=True,
+                     sample_tokens=0)
+  out = capsys.readouterr().out
+  assert "checkpoint step 6 is corrupt or partial" in out
+  assert "resumed from step 3" in out
+  assert summary["step"] == 12
+
+
+def test_config_mismatch_is_refused_naming_the_field(tmp_path):
+  dcfg, tcfg = _configs(tmp_path)
+  workdir = str(tmp_path / "run")
+  pretrain(MCFG, tcfg, dcfg, workdir, progress=False, stop_after=3,
+           sample_tokens=0)
+  other = MCFG.replace(rope_theta=123.0)
+  with pytest.raises(ConfigError, match="rope_theta"):
+    pretrain(other, tcfg, dcfg, workdir, progress=False, resume=True)
+  with pytest.raises(FileExistsError, match="--resume"):
+    pretrain(MCFG, tcfg, dcfg, workdir, progress=False)
+
+
+def test_mtp_only_freezes_the_main_model(tmp_path):
+  dcfg, tcfg = _configs(tmp_path, steps=3, mtp_only=True)
+  variables = model.init(MCFG, jax.random.key(0))
+  before = jax.tree.map(np.array, variables["params"])  # pretrain donates
+  summary = pretrain(MCFG, tcfg, dcfg, str(tmp_path / "run"), progress=False,
+                     sample_tokens=0, init_variables=variables)
+  new = summary["state"].params
+  for name, old in before.items():
+    same = jax.tree.leaves(jax.tree.map(
+        lambda a, b: bool(np.array_equal(a, b)), old, new[name]))
+    assert all(same) == (not name.startswith("mtp_")), name
