@@ -34,8 +34,9 @@ _IMPLS = flags.DEFINE_list(
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwdbwd"], "fwd and/or fwdbwd")
 _EXPERTS = flags.DEFINE_integer("experts", 256, "experts (groups)")
 _TOP_K = flags.DEFINE_integer("top_k", 8, "experts per token")
-_OURS_SWEEP = flags.DEFINE_bool("ours_sweep", False,
-                                "also time alternative tile configs of ours")
+_OURS_CONFIGS = flags.DEFINE_list(
+    "ours_configs", [], "extra tile configs of ours to time, as "
+    "TILE_NxSTAGES (e.g. 128x5); each for forward, dlhs and tgmm")
 _SWIGLU = flags.DEFINE_bool("swiglu", False, "time the fused SwiGLU kernel")
 _XLA_MAX_T = flags.DEFINE_integer("xla_max_tokens", 4096,
                                   "skip jax.lax.ragged_dot above this T "
@@ -127,23 +128,23 @@ def _candidates(impl, mode, t, sweep_peers, best):
                   gb.jax_mgpu_fwd(*c, transpose=True)))
     return out
   if impl == "ours":
+    cfgs = []
+    for c in _OURS_CONFIGS.value:
+      tile_n, stages = map(int, c.split("x"))
+      cfgs.append((c, gmm_mosaic.TileConfig(tile_n=tile_n, stages=stages)))
     if mode == "fwd":
       out = [("ours", "auto", gb.ours_fwd())]
-      if _OURS_SWEEP.value:
-        for c in (gmm_mosaic.TileConfig(tile_n=128),
-                  gmm_mosaic.TileConfig(stages=3),
-                  gmm_mosaic.TileConfig(no_auto_barriers=False)):
-          out.append(("ours", str(c), gb.ours_fwd(c)))
+      out += [("ours", d, gb.ours_fwd(c)) for d, c in cfgs]
       if _SWIGLU.value:
         out += [("ours_swiglu_fused", "", gb.ours_swiglu_fwd()),
                 ("ours_swiglu_unfused", "", gb.unfused_swiglu_fwd())]
       return out
     out = [("ours", "auto", gb.ours_fwdbwd())]
-    if _OURS_SWEEP.value:
+    if cfgs:
       out += [("ours_dlhs", "auto", gb.ours_dlhs()),
-              ("ours_tgmm", "auto", gb.ours_tgmm()),
-              ("ours_tgmm", "tile_n=128",
-               gb.ours_tgmm(gmm_mosaic.TileConfig(tile_n=128)))]
+              ("ours_tgmm", "auto", gb.ours_tgmm())]
+    out += [("ours_dlhs", d, gb.ours_dlhs(c)) for d, c in cfgs]
+    out += [("ours_tgmm", d, gb.ours_tgmm(c)) for d, c in cfgs]
     return out
   raise ValueError(f"unknown impl {impl}")
 
@@ -262,9 +263,10 @@ def _summary(results):
   for key in keys:
     mine = [r for r in recs if (r["tokens"], r["proj"], r["routing"]) == key]
     for mode in ("fwd", "fwdbwd"):
-      def get(name, mode=mode):
+      def get(name, mode=mode):  # ours: the config gmm() picks by itself
         return _fastest([r for r in mine if r["name"] == name and
-                         r["mode"] == mode])
+                         r["mode"] == mode and
+                         (name != "ours" or r["config"] == "auto")])
       dense, xla, tk, ours = (get(x) for x in ("dense", "xla", "tokamax",
                                                "ours"))
       jm = get("jax_mgpu", "fwd")

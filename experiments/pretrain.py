@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
-from m2jax.train.config import TrainConfig
+from m2jax.train.config import TrainConfig, parse_context_schedule
 from m2jax.train.loop import pretrain
 
 FLAGS = flags.FLAGS
@@ -44,6 +44,9 @@ flags.DEFINE_integer("mtp_depth", 1, "MTP modules trained (<= the preset's).")
 flags.DEFINE_float("mtp_weight", 0.3, "MTP loss weight in the stable phase.")
 flags.DEFINE_float("mtp_weight_final", 0.1, "MTP weight at the end of decay.")
 flags.DEFINE_float("z_loss", 0.0, "z-loss coefficient.")
+flags.DEFINE_string("context_schedule", "",
+                    "Context extension: 'cpu' (256 -> 1024), 'm2' (8K -> 32K "
+                    "-> 192K) or FRACTION:SEQ_LEN,... (tokens per batch kept).")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
 flags.DEFINE_integer("seed", 0, "Init and data seed.")
 # Cadence.
@@ -71,6 +74,7 @@ def main(argv):
       grad_clip=FLAGS.grad_clip, mtp_depth=FLAGS.mtp_depth,
       mtp_weight=FLAGS.mtp_weight, mtp_weight_final=FLAGS.mtp_weight_final,
       z_loss_coef=FLAGS.z_loss, aux_loss_coef=FLAGS.aux_loss,
+      context_schedule=parse_context_schedule(FLAGS.context_schedule),
       log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
       eval_batches=FLAGS.eval_batches,
       checkpoint_every=FLAGS.checkpoint_every,

@@ -172,3 +172,23 @@ def test_mtp_only_freezes_the_main_model(tmp_path):
     same = jax.tree.leaves(jax.tree.map(
         lambda a, b: bool(np.array_equal(a, b)), old, new[name]))
     assert all(same) == (not name.startswith("mtp_")), name
+
+
+def test_context_schedule_switches_length_and_resumes(tmp_path):
+  dcfg, tcfg = _configs(tmp_path, steps=8, checkpoint_every=2,
+                        context_schedule=((0.0, 16), (0.5, 64)))
+  ref, cut = str(tmp_path / "ref"), str(tmp_path / "cut")
+  pretrain(MCFG, tcfg, dcfg, ref, progress=False, sample_tokens=0)
+  lines = [l for l in read_metrics(ref) if "seq_len" in l]
+  assert [l["seq_len"] for l in lines] == [16] * 4 + [64] * 4
+  # Tokens per batch stay fixed: 2 x 32 = 4 rows of 16 (<= 4 x 15 targets).
+  assert all(30 < l["tokens"] <= 60 for l in lines[:4])
+  pretrain(MCFG, tcfg, dcfg, cut, progress=False, sample_tokens=0,
+           stop_after=4)  # a checkpoint exactly at the stage boundary
+  pretrain(MCFG, tcfg, dcfg, cut, progress=False, sample_tokens=0,
+           resume=True)
+  assert [l.get("loss") for l in read_metrics(cut)] == [
+      l.get("loss") for l in read_metrics(ref)]
+  with pytest.raises(ConfigError, match="max_position_embeddings"):
+    pretrain(MCFG.replace(max_position_embeddings=32), tcfg, dcfg,
+             str(tmp_path / "x"), progress=False)

@@ -8,6 +8,13 @@ from m2jax.config import ConfigError
 
 OPTIMIZERS = ("adamw", "muon")
 
+# Context extension as (fraction of steps where the stage starts, seq_len).
+# M2 grows 8K -> 32K -> 192K in stages (SPEC §2); "cpu" is a CPU-sized copy.
+CONTEXT_SCHEDULES = {
+    "m2": ((0.0, 8192), (0.8, 32768), (0.95, 196608)),
+    "cpu": ((0.0, 256), (0.75, 1024)),
+}
+
 
 def _fail(field, rule, value):
   raise ConfigError(f"TrainConfig.{field}: {rule} (got {value!r})")
@@ -42,6 +49,9 @@ class TrainConfig:
   aux_loss_coef: float | None = None
   # Train only the MTP modules (the main model frozen): MTP growth phase.
   mtp_only: bool = False
+  # Context extension: ((start fraction, seq_len), ...), empty = the data
+  # config's seq_len throughout. Tokens per batch stay constant across stages.
+  context_schedule: tuple[tuple[float, int], ...] = ()
   # Cadence.
   log_every: int = 10
   eval_every: int = 100
@@ -71,6 +81,15 @@ class TrainConfig:
     for name in ("mtp_weight", "mtp_weight_final", "z_loss_coef"):
       if getattr(self, name) < 0:
         _fail(name, "must be >= 0", getattr(self, name))
+    if self.context_schedule:
+      starts = [f for f, _ in self.context_schedule]
+      if starts[0] != 0.0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        _fail("context_schedule", "stage starts must begin at 0.0 and "
+              "increase", self.context_schedule)
+      if any(not 0 <= f < 1 for f in starts) or any(
+          n <= 0 for _, n in self.context_schedule):
+        _fail("context_schedule", "starts must be in [0, 1) and lengths "
+              "positive", self.context_schedule)
     for name in ("log_every", "eval_every", "checkpoint_every",
                  "keep_checkpoints", "eval_batches"):
       if getattr(self, name) <= 0:
@@ -81,5 +100,24 @@ class TrainConfig:
     """First step of the decay phase."""
     return self.steps - int(round(self.decay_fraction * self.steps))
 
+  def context_stages(self) -> list[tuple[int, int]]:
+    """[(first step, seq_len), ...] of the context schedule."""
+    return [(int(round(f * self.steps)), n) for f, n in self.context_schedule]
+
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
+
+
+def parse_context_schedule(text: str) -> tuple[tuple[float, int], ...]:
+  """A named schedule ("m2", "cpu") or "0:256,0.75:1024" (fraction:seq_len)."""
+  if not text:
+    return ()
+  if text in CONTEXT_SCHEDULES:
+    return CONTEXT_SCHEDULES[text]
+  try:
+    return tuple((float(f), int(n)) for f, n in
+                 (item.split(":") for item in text.split(",")))
+  except ValueError:
+    raise ConfigError(
+        f"TrainConfig.context_schedule: {text!r} is neither a name in "
+        f"{sorted(CONTEXT_SCHEDULES)} nor FRACTION:SEQ_LEN,...") from None

@@ -14,6 +14,7 @@ and continues exactly: losses and parameters equal an uninterrupted run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +50,27 @@ def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
           "val_bpb": nats / math.log(2) / max(nbytes, 1.0)}
 
 
+def _stages(mcfg: ModelConfig, tcfg: TrainConfig, dcfg: DataConfig):
+  """[(first step, DataConfig)] per context stage, tokens per batch fixed."""
+  if not tcfg.context_schedule:
+    stages = [(0, dcfg)]
+  else:
+    tokens = dcfg.batch_size * dcfg.seq_len
+    stages = [(first, dataclasses.replace(
+        dcfg, seq_len=n, batch_size=max(1, tokens // n)))
+              for first, n in tcfg.context_stages()]
+  for _, cfg in stages:
+    if cfg.seq_len > mcfg.max_position_embeddings:
+      raise ConfigError(
+          f"ModelConfig.max_position_embeddings: {mcfg.max_position_embeddings}"
+          f" is below the training seq_len {cfg.seq_len}")
+  return stages
+
+
+def _stage_at(stages, step: int) -> int:
+  return max(i for i, (first, _) in enumerate(stages) if first <= step)
+
+
 def _device_batch(batch):
   return {k: np.asarray(v) for k, v in batch.items()}
 
@@ -67,12 +89,13 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig, workdir: str, *, resume: bool = False,
              sample_prompt: str = "def ", sample_tokens: int = 64,
              stop_after: int | None = None, progress: bool = True,
-             init_variables=None) -> dict:
+             init_variables=None, should_stop=None) -> dict:
   """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
 
-  `stop_after` ends the loop early at that step (as if killed there, but
-  cleanly); `init_variables` starts from given variables instead of a fresh
+  `stop_after` ends the loop early at that step (with a checkpoint); `init_variables` starts from given variables instead of a fresh
   init (MTP growth); their buffers are donated to the first step.
+  `should_stop(step, metrics)` is asked at every logged step; True saves a
+  checkpoint and ends the run there (e.g. once a loss has settled).
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   os.makedirs(workdir, exist_ok=True)
@@ -105,13 +128,19 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
     print(f"resumed from step {start} in {checkpointer.directory}")
   _write_configs(workdir, mcfg, tcfg, dcfg)
 
-  train_it = make_iterator(dcfg, tokenizer, "train", state=data_state)
+  stages = _stages(mcfg, tcfg, dcfg)
+  stage = _stage_at(stages, start)
+  sdcfg = stages[stage][1]
+  if data_state is not None and data_state.get("stage") != stage:
+    data_state = None  # the checkpoint closed the previous stage
+  train_it = make_iterator(sdcfg, tokenizer, "train",
+                           state=data_state and data_state["iterator"])
   train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg)
   writer = MetricsWriter(workdir, resume_step=start if resume else None)
   meta = {"model": ckpt_lib.config_dict(mcfg),
           "train": ckpt_lib.config_dict(tcfg),
           "data": ckpt_lib.config_dict(dcfg)}
-  flops_per_token = params_lib.flops_per_token(mcfg, dcfg.seq_len)
+  flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
   peak = peak_flops()
   end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
 
@@ -120,30 +149,44 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              desc="pretrain", unit="step", dynamic_ncols=True)
   tick, tick_tokens = time.perf_counter(), 0
   for step in range(start, end):
+    if _stage_at(stages, step) != stage:
+      stage = _stage_at(stages, step)
+      sdcfg = stages[stage][1]
+      train_it = make_iterator(sdcfg, tokenizer, "train")
+      flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+      bar.write(f"step {step}: context stage {stage}, seq_len "
+                f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
     batch = next(train_it)
     state, metrics = train_fn(state, _device_batch(batch))
-    tick_tokens += dcfg.batch_size * dcfg.seq_len
+    tick_tokens += sdcfg.batch_size * sdcfg.seq_len
     done = step + 1
     if done % tcfg.log_every == 0 or done == end:
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - tick
       tps = tick_tokens / max(elapsed, 1e-9)
       metrics["tokens_per_sec"] = tps
+      metrics["seq_len"] = sdcfg.seq_len
       if peak:
         metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
       writer.write(done, metrics)
       summary["loss"] = float(metrics["loss"])
+      summary["metrics"] = {k: float(v) for k, v in metrics.items()}
+      if should_stop is not None and should_stop(done, metrics):
+        end = done
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{tps:,.0f}")
       tick, tick_tokens = time.perf_counter(), 0
     if done % tcfg.eval_every == 0 or done == tcfg.steps:
-      ev = evaluate(eval_fn, state, dcfg, tokenizer, tcfg.eval_batches)
+      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches)
       writer.write(done, ev)
       summary.update(ev)
       bar.write(f"step {done}: val_loss {ev['val_loss']:.4f} nats/token, "
                 f"{ev['val_bpb']:.4f} bits/byte")
-    if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
-      checkpointer.save(done, state, train_it.get_state(), meta)
+    if done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end):
+      checkpointer.save(done, state, {"stage": stage,
+                                      "iterator": train_it.get_state()}, meta)
     bar.update(1)
+    if done >= end:
+      break
   bar.close()
   writer.close()
   checkpointer.close()
