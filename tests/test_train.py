@@ -164,11 +164,17 @@ def test_config_mismatch_is_refused_naming_the_field(tmp_path):
 def test_mtp_only_freezes_the_main_model(tmp_path):
   dcfg, tcfg = _configs(tmp_path, steps=3, mtp_only=True)
   variables = model.init(MCFG, jax.random.key(0))
-  before = jax.tree.map(np.array, variables["params"])  # pretrain donates
+  before = jax.tree.map(np.array, variables)  # pretrain donates the buffers
   summary = pretrain(MCFG, tcfg, dcfg, str(tmp_path / "run"), progress=False,
                      sample_tokens=0, init_variables=variables)
-  new = summary["state"].params
-  for name, old in before.items():
+  state = summary["state"]
+  # The frozen main model keeps its routing bias too; MTP's bias moves.
+  for name, old in before[model.EXPERT_BIAS].items():
+    same = np.array_equal(jax.tree.leaves(old)[0],
+                          jax.tree.leaves(state.expert_bias[name])[0])
+    assert same == (not name.startswith("mtp_")), name
+  new = state.params
+  for name, old in before["params"].items():
     same = jax.tree.leaves(jax.tree.map(
         lambda a, b: bool(np.array_equal(a, b)), old, new[name]))
     assert all(same) == (not name.startswith("mtp_")), name

@@ -1,0 +1,54 @@
+"""Run an ablation sweep (resumable) and write its report.
+
+  python -m experiments.sweep --grid=attention --preset=tiny --steps=300 \
+      --seeds=0,1 --sweep_dir=runs/sweep_attention
+  python -m experiments.sweep --grid=experts ...   # mtp, experts, gating
+
+Rerunning the same command skips finished runs and resumes a killed one.
+"""
+
+from absl import app, flags, logging
+
+from m2jax import config as config_lib
+from m2jax import report, sweep
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("grid", "attention", list(sweep.GRIDS), "Which ablation.")
+flags.DEFINE_string("preset", "tiny", f"One of {sorted(config_lib.PRESETS)}.")
+flags.DEFINE_multi_string("override", [], "Base ModelConfig FIELD=VALUE.")
+flags.DEFINE_string("sweep_dir", None, "Sweep directory (default runs/sweep_GRID).")
+flags.DEFINE_list("seeds", ["0", "1"], "Seeds per variant.")
+flags.DEFINE_integer("steps", 200, "Steps per run (equal tokens for all arms).")
+flags.DEFINE_integer("seq_len", 1024, "Tokens per row.")
+flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
+flags.DEFINE_integer("window", 256, "Sliding-window size (attention grid).")
+flags.DEFINE_string("data", "synthetic",
+                    "'synthetic' (task documents), 'stdlib', or a path/glob.")
+flags.DEFINE_integer("train_documents", 4000, "Synthetic training documents.")
+flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
+                  "Context lengths of the long-context tasks.")
+flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  base = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
+                                    FLAGS.override)
+  cfg = sweep.SweepConfig(
+      grid=FLAGS.grid, seeds=tuple(int(s) for s in FLAGS.seeds),
+      steps=FLAGS.steps, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
+      learning_rate=FLAGS.learning_rate, window=FLAGS.window, data=FLAGS.data,
+      train_documents=FLAGS.train_documents,
+      eval_lengths=tuple(int(n) for n in FLAGS.eval_lengths),
+      examples_per_point=FLAGS.examples_per_point)
+  sweep_dir = FLAGS.sweep_dir or f"runs/sweep_{FLAGS.grid}"
+  results = sweep.run_sweep(base, cfg, sweep_dir)
+  paths = report.write_report(results, sweep_dir)
+  print(open(paths["report"], encoding="utf-8").read())
+  print("wrote", ", ".join(paths.values()))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,48 @@
+"""Load a training run (WORKDIR of experiments.pretrain) for evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+from m2jax import model
+from m2jax.config import ModelConfig
+from m2jax.data import DataConfig, make_tokenizer
+from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import step as step_lib
+from m2jax.train.config import TrainConfig
+
+
+def _tuples(x):
+  return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def load_configs(workdir: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir} a pretrain "
+                            "--workdir?")
+  with open(path, encoding="utf-8") as f:
+    raw = json.load(f)
+  build = lambda cls, d: cls(**{k: _tuples(v) for k, v in d.items()})
+  return (build(ModelConfig, raw["model"]), build(TrainConfig, raw["train"]),
+          build(DataConfig, raw["data"]))
+
+
+def load_run(workdir: str):
+  """(model_config, data_config, tokenizer, variables, step) of the newest
+  complete checkpoint in `workdir`."""
+  mcfg, tcfg, dcfg = load_configs(workdir)
+  state = jax.eval_shape(lambda: step_lib.init_state(
+      tcfg, model.init(mcfg, jax.random.key(0))))  # shapes only, no memory
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=tcfg.keep_checkpoints)
+  restored = checkpointer.restore_latest(state)
+  checkpointer.close()
+  if restored is None:
+    raise FileNotFoundError(f"no readable checkpoint under {workdir}")
+  step, state, _, _ = restored
+  tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
+  return mcfg, dcfg, tokenizer, step_lib.variables_of(state), step

@@ -1,0 +1,224 @@
+"""Ablation sweeps over the paper's design choices, resumable.
+
+A sweep is a named grid of variants of one base model, each trained at the
+same number of tokens for several seeds, then scored on validation loss,
+the synthetic long-context tasks and routing balance. Grids (SPEC §2):
+
+  attention  full attention vs hybrid sliding-window (3:1 and 1:1 SWA:full
+             inter-layer patterns, with and without sink tokens, all-SWA)
+  mtp        no MTP vs one module vs three modules
+  experts    fine-grained (base E experts, top-k) vs coarse (E/k experts,
+             top-1, k-times wider): equal active and equal total parameters
+  gating     sigmoid + routing bias (aux-loss-free) vs softmax + aux loss
+
+Layout of a sweep directory:
+  data/{train,validation}.jsonl   training data (synthetic task documents)
+  runs/<variant>/seed<k>/         one pretrain workdir per run
+  runs/<variant>/seed<k>/result.json   written when the run is finished
+  results.json                    all finished runs (what report.py reads)
+A rerun skips finished runs and resumes a killed one from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from m2jax.config import ConfigError, ModelConfig
+from m2jax.data import DataConfig, make_tokenizer
+from m2jax.eval import scoring, tasks as tasks_lib
+from m2jax.train import step as step_lib
+from m2jax.train.config import TrainConfig
+from m2jax.train.loop import pretrain
+from m2jax.train.metrics import read_metrics
+
+GRIDS = ("attention", "mtp", "experts", "gating")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One arm: ModelConfig and TrainConfig field overrides."""
+  name: str
+  model: dict = dataclasses.field(default_factory=dict)
+  train: dict = dataclasses.field(default_factory=dict)
+
+
+def make_grid(name: str, base: ModelConfig, *, window: int) -> list[Variant]:
+  """The variants of grid `name` for `base` (window: SWA window size)."""
+  if name == "attention":
+    swa = lambda pattern, sinks=0: {
+        "attention_pattern": pattern, "sliding_window": window,
+        "num_sink_tokens": sinks}
+    s, f = "sliding", "full"
+    return [Variant("full", {"attention_pattern": (f,)}),
+            Variant(f"swa{window}_3to1", swa((s, s, s, f))),
+            Variant(f"swa{window}_3to1_sinks4", swa((s, s, s, f), 4)),
+            Variant(f"swa{window}_1to1", swa((s, f))),
+            Variant(f"swa{window}_all", swa((s,)))]
+  if name == "mtp":
+    return [Variant("mtp_off", {"num_mtp_modules": 0}, {"mtp_depth": 0}),
+            Variant("mtp_1", {"num_mtp_modules": 1}, {"mtp_depth": 1}),
+            Variant("mtp_3", {"num_mtp_modules": 3}, {"mtp_depth": 3})]
+  if name == "experts":
+    E, k, F = (base.num_experts, base.num_experts_per_tok,
+               base.moe_intermediate_size)
+    if E % k:
+      raise ConfigError(f"experts grid: num_experts={E} must be divisible by "
+                        f"num_experts_per_tok={k}")
+    return [Variant(f"fine_E{E}_top{k}", {}),
+            Variant(f"coarse_E{E // k}_top1",
+                    {"num_experts": E // k, "num_experts_per_tok": 1,
+                     "moe_intermediate_size": k * F})]
+  if name == "gating":
+    return [Variant("sigmoid_bias", {"gating": "sigmoid",
+                                     "use_routing_bias": True,
+                                     "aux_loss_coef": 0.0}),
+            Variant("softmax_aux", {"gating": "softmax",
+                                    "use_routing_bias": False,
+                                    "aux_loss_coef": 0.01})]
+  raise ConfigError(f"unknown grid {name!r}; grids: {GRIDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """What a sweep trains and how it scores each run."""
+  grid: str
+  seeds: tuple[int, ...] = (0, 1)
+  steps: int = 200
+  seq_len: int = 1024
+  batch_size: int = 8
+  learning_rate: float = 3e-3
+  window: int = 256
+  data: str = "synthetic"          # "synthetic", "stdlib" or a path/glob
+  train_documents: int = 4000
+  eval_lengths: tuple[int, ...] = (128, 256, 512, 960)
+  eval_tasks: tuple[str, ...] = tasks_lib.TASKS
+  examples_per_point: int = 16
+  eval_batches: int = 8
+
+  def __post_init__(self):
+    if self.grid not in GRIDS:
+      raise ConfigError(f"SweepConfig.grid: must be one of {GRIDS} "
+                        f"(got {self.grid!r})")
+    if not self.seeds:
+      raise ConfigError("SweepConfig.seeds: need at least one seed")
+    if min(self.eval_lengths) < tasks_lib.MIN_LENGTH:
+      raise ConfigError(f"SweepConfig.eval_lengths: must be >= "
+                        f"{tasks_lib.MIN_LENGTH} (got {self.eval_lengths})")
+    if max(self.eval_lengths) + 16 > self.seq_len:
+      raise ConfigError(
+          f"SweepConfig.eval_lengths: {max(self.eval_lengths)} (+ answer) "
+          f"exceeds seq_len={self.seq_len}; models are scored only on lengths "
+          "they were trained at")
+
+
+def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
+  """Training/validation JSONL of task documents (made once per sweep)."""
+  data_dir = os.path.join(sweep_dir, "data")
+  paths = [os.path.join(data_dir, f"{s}.jsonl")
+           for s in ("train", "validation")]
+  if all(os.path.exists(p) for p in paths):
+    return tuple(paths)
+  os.makedirs(data_dir, exist_ok=True)
+  # Documents up to the row length (minus room for the answer), so that
+  # every length scored later was seen in training.
+  top = max(tasks_lib.MIN_LENGTH, cfg.seq_len - 32)
+  lengths = sorted(set(np.linspace(tasks_lib.MIN_LENGTH, top, 8).astype(int)))
+  for path, n, seed in ((paths[0], cfg.train_documents, 0),
+                        (paths[1], max(64, cfg.train_documents // 20), 1)):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      for doc in tasks_lib.training_documents(n, lengths, seed=seed + 1,
+                                              tasks=cfg.eval_tasks):
+        f.write(json.dumps({"text": doc}) + "\n")
+    os.replace(tmp, path)
+  return tuple(paths)
+
+
+def _data_config(sweep_dir: str, cfg: SweepConfig, seed: int) -> DataConfig:
+  if cfg.data == "synthetic":
+    train, val = _synthetic_data(sweep_dir, cfg)
+    return DataConfig(source=train, validation_source=val, seq_len=cfg.seq_len,
+                      batch_size=cfg.batch_size, seed=seed)
+  return DataConfig(source=cfg.data, seq_len=cfg.seq_len,
+                    batch_size=cfg.batch_size, seed=seed)
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
+            sweep_dir: str, *, progress: bool = True) -> dict:
+  """Train and score one (variant, seed); reuse its result if finished."""
+  run_dir = os.path.join(sweep_dir, "runs", variant.name, f"seed{seed}")
+  result_path = os.path.join(run_dir, "result.json")
+  if os.path.exists(result_path):
+    with open(result_path, encoding="utf-8") as f:
+      return json.load(f)
+  mcfg = base.replace(**variant.model)
+  tcfg = TrainConfig(**{"steps": cfg.steps, "seed": seed,
+                        "learning_rate": cfg.learning_rate,
+                        "warmup_steps": max(1, cfg.steps // 20),
+                        "log_every": max(1, cfg.steps // 50),
+                        "eval_every": max(1, cfg.steps // 4),
+                        "eval_batches": cfg.eval_batches,
+                        "checkpoint_every": max(1, cfg.steps // 4),
+                        "keep_checkpoints": 1,
+                        "mtp_depth": min(1, mcfg.num_mtp_modules),
+                        **variant.train})
+  dcfg = _data_config(sweep_dir, cfg, seed)
+  summary = pretrain(mcfg, tcfg, dcfg, run_dir, resume=True, progress=progress,
+                     sample_tokens=0)
+  tokenizer = make_tokenizer(dcfg, os.path.join(run_dir, "tokenizer"))
+  variables = step_lib.variables_of(summary["state"])
+  scores = scoring.evaluate_tasks(
+      mcfg, variables, tokenizer, lengths=list(cfg.eval_lengths),
+      tasks=cfg.eval_tasks, examples_per_point=cfg.examples_per_point)
+  lines = read_metrics(run_dir)
+  train_lines = [l for l in lines if "loss" in l]
+  tail = train_lines[-max(1, len(train_lines) // 10):]
+  mean_of = lambda key: (float(np.mean([l[key] for l in tail]))
+                         if key in tail[0] else None)
+  result = {
+      "variant": variant.name, "seed": seed,
+      "model_overrides": {k: list(v) if isinstance(v, tuple) else v
+                          for k, v in variant.model.items()},
+      "train_overrides": variant.train,
+      "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+      "loss_curve": [[l["step"], l["loss"]] for l in train_lines],
+      "ce_curve": [[l["step"], l["ce"]] for l in train_lines],
+      "val_curve": [[l["step"], l["val_loss"]] for l in lines
+                    if "val_loss" in l],
+      "val_loss": summary["val_loss"], "val_bpb": summary["val_bpb"],
+      "tasks": {t: {str(n): a for n, a in s.items()} for t, s in scores.items()},
+      "routing": {"load_cv": mean_of("router/load_cv"),
+                  "load_max_over_mean": mean_of("router/load_max_over_mean")},
+  }
+  _write_json(result_path, result)
+  return result
+
+
+def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
+              progress: bool = True, log=print) -> dict:
+  """Run every (variant, seed) of the grid; returns and writes results.json."""
+  os.makedirs(sweep_dir, exist_ok=True)
+  variants = make_grid(cfg.grid, base, window=cfg.window)
+  results = {"sweep": {k: list(v) if isinstance(v, tuple) else v
+                       for k, v in dataclasses.asdict(cfg).items()},
+             "base": {k: list(v) if isinstance(v, tuple) else v
+                      for k, v in dataclasses.asdict(base).items()},
+             "variants": [v.name for v in variants], "runs": []}
+  for variant in variants:
+    for seed in cfg.seeds:
+      log(f"[sweep {cfg.grid}] {variant.name} seed {seed}")
+      results["runs"].append(run_one(base, variant, seed, cfg, sweep_dir,
+                                     progress=progress))
+      _write_json(os.path.join(sweep_dir, "results.json"), results)
+  return results

@@ -1,0 +1,64 @@
+"""Synthetic long-context tasks and exact-match scoring."""
+
+import jax
+import numpy as np
+import pytest
+
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.eval import scoring, tasks
+from m2jax.infer import sample
+
+CFG = config_lib.TINY.replace(num_mtp_modules=0)
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_tasks_are_deterministic_and_sized(task):
+  for length in (tasks.MIN_LENGTH, 300, 1000):
+    a, b = tasks.generate(task, length, 3), tasks.generate(task, length, 3)
+    assert a == b
+    assert 0.7 * length <= len(a.prompt) <= 1.25 * length + 20, (task, length)
+    assert a.answer.strip()
+  assert tasks.generate(task, 300, 3) != tasks.generate(task, 300, 4)
+
+
+def test_answers_are_recoverable_from_the_prompt():
+  """Every answer is determined by the context (no task asks the impossible)."""
+  ex = tasks.generate("niah_multikey", 400, 0)
+  value = ex.answer.strip(" .")
+  key = ex.prompt.split("magic number for ")[-1].split("?")[0]
+  assert f"The magic number for {key} is {value}." in ex.prompt
+  ex = tasks.generate("icl_kv", 400, 0)
+  key = ex.prompt.rsplit("\n", 1)[-1].split(" ->")[0]
+  assert f"{key} -> {ex.answer.strip()}" in ex.prompt
+  for length in (128, 500, 2000):
+    ex = tasks.generate("cwe", length, 0)
+    words = ex.prompt.split("Words: ")[1].split(".")[0].split()
+    counts = sorted(((words.count(w), w) for w in set(words)), reverse=True)
+    assert counts[2][0] > counts[3][0]  # the top 3 are unambiguous
+    assert ex.answer.strip(" .").split() == [w for _, w in counts[:3]]
+  ex = tasks.generate("variable_tracking", 400, 0)
+  names = ex.answer.strip(" .").split()
+  assert all(f"VAR {n} =" in ex.prompt for n in names)
+
+
+def test_eval_and_training_seeds_are_disjoint():
+  docs = set(tasks.training_documents(30, [128], seed=0))
+  evals = {e.prompt + e.answer for t in tasks.TASKS
+           for e in tasks.eval_examples(t, 128, 5)}
+  assert not docs & evals
+
+
+def test_exact_match_agrees_with_greedy_decoding():
+  v = model.init(CFG, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  encoded = []
+  for n in (5, 9, 17):
+    prompt = list(rng.integers(3, 250, n))
+    out = np.asarray(sample.greedy(CFG, v, prompt, 4))
+    encoded.append((prompt, list(out[n:])))            # what greedy emits
+    wrong = list(out[n:])
+    wrong[2] = (wrong[2] + 1) % 250
+    encoded.append((prompt, wrong))                    # one token off
+  got = scoring.exact_match_tokens(CFG, v, encoded, pad_id=0, batch_size=4)
+  np.testing.assert_array_equal(got, [True, False] * 3)
