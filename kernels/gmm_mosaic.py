@@ -1,0 +1,564 @@
+"""Hopper grouped matmuls in Pallas Mosaic GPU (wgmma + TMA, warp specialised).
+
+Two kernels share one persistent, warp-specialised skeleton:
+
+* `gmm(lhs[M, K], rhs[G, K, N]) -> [M, N]` (and `rhs` read transposed, for the
+  lhs gradient): rows are cut into tiles that start at their group's first row
+  (rounded down to 8), so only a group's last tile is partial (JAX's
+  `ragged_dot_mgpu` aligns tiles to a global grid and pays a whole extra tile
+  at every group boundary).
+* `tgmm(lhs[M, K], grad[M, N]) -> [G, K, N]`: the weight gradient; each group's
+  rows are the contraction, read straight from `lhs` (no transpose in HBM).
+
+Skeleton (one CTA per SM, three warpgroups): warpgroup 2 only issues TMA loads
+into a ring of `stages` shared-memory slots and never waits for an epilogue,
+so it runs into the next tile while warpgroups 0 and 1 drain theirs. Each
+compute warpgroup owns half of the tile's rows (64 x tile_n accumulator); when
+a partial tile leaves a half empty, that warpgroup skips its wgmmas.
+
+The tile schedule (which group, first row, valid rows) is computed by a few
+XLA ops before the kernel, so the kernel never searches group boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_ROW_ALIGN = 8  # TMA row offsets into 8-row-tiled smem
+_HALF = 64  # rows of the tile owned by each of the two compute warpgroups
+_NUM_COMPUTE_WGS = 2
+_MEMORY_REGISTERS = 40
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tile shape of one CTA work item.
+
+  tile_n: output columns per work item (wgmma N; <= 256).
+  tile_k: contraction per pipeline stage (64 = one 128-byte swizzle row).
+  stages: shared-memory ring depth.
+  """
+  tile_n: int = 256
+  tile_k: int = 64
+  stages: int = 3
+  no_auto_barriers: bool = True
+
+  @property
+  def tile_m(self) -> int:
+    return _NUM_COMPUTE_WGS * _HALF
+
+
+def pick_config(n: int, k: int, *, stages: int | None = None) -> TileConfig:
+  """Widest tile that divides N, with a ring that leaves room for a whole-tile
+  epilogue buffer (256 x 3 stages won the H200 sweep at every M2 shape, see
+  benchmarks/notes/gmm.md)."""
+  tile_n = next((t for t in (256, 192, 128, 64) if n % t == 0), None)
+  if tile_n is None or k % 64:
+    raise ValueError(
+        f"gmm pallas backend needs N % 64 == 0 and K % 64 == 0, got N={n}, "
+        f"K={k}")
+  if stages is None:
+    stages = 3 if tile_n > 128 else 4
+  return TileConfig(tile_n=tile_n, tile_k=64, stages=stages)
+
+
+def _num_sms(interpret) -> int:
+  if interpret:
+    return 4  # a few simulated SMs keep the interpreter fast
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:  # lowering for a GPU from a CPU-only host
+    return 132
+
+
+def _interpret_params(interpret):
+  if not interpret:
+    return None
+  if isinstance(interpret, plgpu.InterpretGPUParams):
+    return interpret
+  return plgpu.InterpretGPUParams()  # uninitialised memory reads as NaN
+
+
+def _swizzled(shape, dtype, *, row_tile=8):
+  swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((row_tile, elems)),
+      plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel_call(body, out_type, *, interpret, cfg):
+  params = plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+      unsafe_no_auto_barriers=cfg.no_auto_barriers)
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      grid=(_num_sms(interpret),),
+      grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=params,
+      interpret=_interpret_params(interpret),
+  )
+
+
+# ---------------------------------------------------------------------------
+# Schedules (plain XLA, computed before the kernel).
+
+
+def group_bounds(group_sizes, m):
+  """Clamped [start, end) row range of each group."""
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.minimum(jnp.cumsum(sizes), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return starts, ends
+
+
+def row_tile_schedule(group_sizes, m: int, tile_m: int):
+  """Row tiles from each group's first row (rounded down to 8), zero tiles.
+
+  TMA copies of 8-row-tiled shared memory need row offsets that are multiples
+  of 8, so a group's first tile may start up to 7 rows early; rows outside
+  [lo, hi) of a tile are computed but never stored. Returns (group, row, lo,
+  hi, num_tiles); group -1 marks a tile of rows past sum(group_sizes), which
+  the kernel fills with zeros.
+  """
+  g = group_sizes.shape[0]
+  starts, ends = group_bounds(group_sizes, m)
+  total = ends[-1]
+  first = starts // _ROW_ALIGN * _ROW_ALIGN
+  ntiles = jnp.where(ends > starts, (ends - first + tile_m - 1) // tile_m, 0)
+  tile_end = jnp.cumsum(ntiles)
+  tile_begin = tile_end - ntiles
+  n_group_tiles = tile_end[-1]
+  tail_first = total // _ROW_ALIGN * _ROW_ALIGN
+  n_tail = (m - tail_first + tile_m - 1) // tile_m * (total < m)
+  max_tiles = m // tile_m + g + 2
+  t = jnp.arange(max_tiles, dtype=jnp.int32)
+  gi = jnp.sum(tile_end[None, :] <= t[:, None], axis=1).astype(jnp.int32)
+  in_group = gi < g
+  gc = jnp.minimum(gi, g - 1)
+  row = jnp.where(in_group, first[gc] + (t - tile_begin[gc]) * tile_m,
+                  tail_first + (t - n_group_tiles) * tile_m)
+  lo = jnp.maximum(jnp.where(in_group, starts[gc], total) - row, 0)
+  hi = jnp.clip(jnp.where(in_group, ends[gc], m) - row, 0, tile_m)
+  group = jnp.where(in_group, gc, -1)
+  num_tiles = (n_group_tiles + n_tail).reshape(1)
+  return group, row, lo, hi, num_tiles
+
+
+# ---------------------------------------------------------------------------
+# Shared pieces of the two kernels.
+
+
+def _epi_cols(dtype):
+  return 128 // jnp.dtype(dtype).itemsize  # one 128-byte swizzle row
+
+
+_SMEM_BYTES = 227 * 1024 - 1024  # per block, less room for the barriers
+
+
+def _out_slots(n_out, dtype, ring_bytes):
+  """Epilogue slots per warpgroup: one per 128-byte-wide chunk if they fit.
+
+  With a slot per chunk the epilogue writes the whole tile, fences once and
+  issues all stores; with fewer it cycles through them, waiting on stores.
+  """
+  slot_bytes = _NUM_COMPUTE_WGS * _HALF * 128
+  fit = (_SMEM_BYTES - ring_bytes) // slot_bytes
+  if fit < 2:
+    raise ValueError("gmm tile config leaves no shared memory for the "
+                     "epilogue; use fewer stages or a narrower tile")
+  return min(n_out // _epi_cols(dtype), fit)
+
+
+def _out_smem(dtype, slots):
+  """Store slots per compute warpgroup, tiled by single rows."""
+  return _swizzled((_NUM_COMPUTE_WGS, slots, _HALF, _epi_cols(dtype)), dtype,
+                   row_tile=1)
+
+
+def _store_rows(src_at, dst, row0, lo, count):
+  """TMA-stores rows [lo, lo+count) of a 64-row smem block to dst[row0+lo..].
+
+  A TMA box has a static size, so a partial block goes out as a ladder of
+  power-of-two row slabs (the smem side is tiled by single rows for this).
+  """
+  @pl.when(count == _HALF)
+  def _():
+    plgpu.copy_smem_to_gmem(src_at(pl.ds(0, _HALF)),
+                            dst.at[pl.ds(row0, _HALF)], commit_group=False)
+
+  @pl.when(count < _HALF)
+  def _():
+    off = lo
+    size = _HALF // 2
+    while size:
+      @pl.when((count & size) != 0)
+      def _(off=off, size=size):
+        plgpu.copy_smem_to_gmem(src_at(pl.ds(off, size)),
+                                dst.at[pl.ds(row0 + off, size)],
+                                commit_group=False)
+      off = off + (count & size)
+      size //= 2
+
+
+def _epilogue(acc, out_smem, wg, dst_cols, row0, lo, count, epilogue_fn):
+  """Writes rows [lo, lo+count) of a warpgroup's [64, n] result to gmem."""
+  val = acc if epilogue_fn is None else epilogue_fn(acc)
+  val = val.astype(out_smem.dtype)
+  n_out, slots, epi_n = val.shape[1], out_smem.shape[1], out_smem.shape[-1]
+  chunks = n_out // epi_n
+
+  def store(c, slot):
+    _store_rows(lambda r: out_smem.at[wg, slot, r], dst_cols(c), row0, lo,
+                count)
+
+  @pl.when(count > 0)
+  def _():
+    if slots >= chunks:  # the whole tile at once: one fence, one wait
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      for c in range(chunks):
+        out_smem[wg, c] = val[:, c * epi_n:(c + 1) * epi_n]
+      plgpu.commit_smem()
+      for c in range(chunks):
+        store(c, c)
+      plgpu.commit_smem_to_gmem_group()
+      return
+    for c in range(chunks):
+      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      out_smem[wg, c % slots] = val[:, c * epi_n:(c + 1) * epi_n]
+      plgpu.commit_smem()
+      store(c, c % slots)
+      plgpu.commit_smem_to_gmem_group()
+
+
+def _my_half(wg):
+  return pl.ds(pl.multiple_of(wg * _HALF, _HALF), _HALF)
+
+
+def _my_items(num_items, num_sms):
+  sm = lax.axis_index("sm")
+  return sm, jnp.maximum(num_items - sm + num_sms - 1, 0) // num_sms
+
+
+def _pipelined_k_loop(nsteps, step0, stages, produced, consumed, mma):
+  """Consumer side of the ring: wait for slot, mma, release previous slot."""
+  def body(kk, _):
+    s = step0 + kk
+    slot = lax.rem(s, stages)
+    plgpu.barrier_wait(produced.at[slot])
+    mma(kk, slot)
+    plgpu.wgmma_wait(1)
+
+    @pl.when(kk > 0)
+    def _():
+      plgpu.barrier_arrive(consumed.at[lax.rem(s - 1, stages)])
+
+  @pl.when(nsteps > 0)
+  def _():
+    lax.fori_loop(0, nsteps, body, None)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(step0 + nsteps - 1, stages)])
+
+
+def _producer_k_loop(nsteps, step0, stages, consumed, issue):
+  def body(kk, _):
+    s = step0 + kk
+    slot = lax.rem(s, stages)
+
+    @pl.when(s >= stages)
+    def _():
+      plgpu.barrier_wait(consumed.at[slot])
+    issue(kk, slot)
+  lax.fori_loop(0, nsteps, body, None)
+
+
+def _quiesce(total, stages, consumed):
+  """Observe the last releases so no barrier phase is left unobserved."""
+  def body(s, _):
+    plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
+  lax.fori_loop(jnp.maximum(total - stages, 0), total, body, None)
+
+
+# ---------------------------------------------------------------------------
+# gmm: out[rows of g] = lhs[rows of g] @ rhs[g]   (rhs[g]^T if transpose_rhs)
+
+
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
+        config: TileConfig | None = None, interpret=False, epilogue_fn=None,
+        rhs2=None):
+  """Grouped matmul on Hopper. rhs is [G, K, N] ([G, N, K] if transpose_rhs).
+
+  With `rhs2` (same shape as rhs) and `epilogue_fn`, each work item computes
+  `epilogue_fn(concat(lhs@rhs[:, :, cols], lhs@rhs2[:, :, cols]))`: the fused
+  SwiGLU path (tile_n/2 columns from each weight, output tile_n/2 wide).
+  """
+  m, k = lhs.shape
+  if transpose_rhs:
+    g, n, k2 = rhs.shape
+  else:
+    g, k2, n = rhs.shape
+  if k != k2:
+    raise ValueError(
+        f"gmm: contraction mismatch lhs {lhs.shape} rhs {rhs.shape}")
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  fused = rhs2 is not None
+  cfg = config or pick_config(2 * n if fused else n, k)
+  tn, tk, stages = cfg.tile_n, cfg.tile_k, cfg.stages
+  wn = tn // 2 if fused else tn  # columns of each weight per work item
+  if n % wn or k % tk:
+    raise ValueError(f"gmm: tile {cfg} does not divide N={n}, K={k}")
+  n_out_tile = wn if fused else tn
+  epi_n = _epi_cols(out_dtype)
+  out_n = n
+  num_sms = _num_sms(interpret)
+  n_tiles_n = n // wn
+  k_steps = k // tk
+  m_pad = -m % _ROW_ALIGN  # the 8-row-tiled TMA view needs M % 8 == 0
+  if m_pad:
+    lhs = jnp.pad(lhs, ((0, m_pad), (0, 0)))
+  schedule = row_tile_schedule(group_sizes, m + m_pad, cfg.tile_m)
+
+  def body(tg_ref, tr_ref, tlo_ref, thi_ref, nt_ref, lhs_ref, rhs_ref, *rest):
+    if fused:
+      rhs2_ref, out_ref = rest
+    else:
+      (out_ref,) = rest
+    num_items = nt_ref[0] * n_tiles_n
+    sm, my_count = _my_items(num_items, num_sms)
+    b_shape = (stages, wn, tk) if transpose_rhs else (stages, tk, wn)
+    ring = stages * tk * (cfg.tile_m + wn * (2 if fused else 1)) * 2
+    scratch = dict(
+        a_smem=_swizzled((stages, cfg.tile_m, tk), lhs.dtype),
+        b_smem=_swizzled(b_shape, rhs.dtype),
+        out_smem=_out_smem(out_dtype,
+                           _out_slots(n_out_tile, out_dtype, ring)),
+        produced=plgpu.Barrier(num_arrivals=3 if fused else 2,
+                               num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS,
+                               num_barriers=stages),
+    )
+    if fused:
+      scratch["b2_smem"] = _swizzled(b_shape, rhs.dtype)
+
+    def item(i):
+      w = sm + i * num_sms
+      t = lax.div(w, n_tiles_n)
+      nt = lax.rem(w, n_tiles_n)
+      row = pl.multiple_of(tr_ref[t], _ROW_ALIGN)
+      return nt, tg_ref[t], row, tlo_ref[t], thi_ref[t]
+
+    def b_src(ref, grp, nt, kk):
+      if transpose_rhs:
+        return ref.at[grp, pl.ds(nt * wn, wn), pl.ds(kk * tk, tk)]
+      return ref.at[grp, pl.ds(kk * tk, tk), pl.ds(nt * wn, wn)]
+
+    def scoped(a_smem, b_smem, out_smem, produced, consumed, b2_smem=None):
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == _NUM_COMPUTE_WGS)
+      def _producer():
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+        def work(i, step):
+          nt, grp, row0, _, _ = item(i)
+          nsteps = jnp.where(grp >= 0, k_steps, 0)
+
+          def issue(kk, slot):
+            plgpu.copy_gmem_to_smem(
+                lhs_ref.at[pl.ds(row0, cfg.tile_m), pl.ds(kk * tk, tk)],
+                a_smem.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(b_src(rhs_ref, grp, nt, kk),
+                                    b_smem.at[slot], produced.at[slot])
+            if fused:
+              plgpu.copy_gmem_to_smem(b_src(rhs2_ref, grp, nt, kk),
+                                      b2_smem.at[slot], produced.at[slot])
+          _producer_k_loop(nsteps, step, stages, consumed, issue)
+          return step + nsteps
+        total = lax.fori_loop(0, my_count, work, jnp.int32(0))
+        _quiesce(total, stages, consumed)
+
+      @pl.when(wg < _NUM_COMPUTE_WGS)
+      def _consumer():
+        plgpu.set_max_registers(
+            min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS // 8 * 8),
+            action="increase")
+
+        def work(i, step):
+          nt, grp, row0, lo, hi = item(i)
+          nsteps = jnp.where(grp >= 0, k_steps, 0)
+          my_lo = jnp.clip(lo - wg * _HALF, 0, _HALF)
+          my_rows = jnp.clip(hi - wg * _HALF, 0, _HALF) - my_lo
+
+          def mma_one(acc_ref, src, kk, slot):
+            b = src.at[slot]
+            if transpose_rhs:
+              b = b.T
+            a = a_smem.at[slot, _my_half(wg)]
+
+            @pl.when(my_rows > 0)
+            def _():
+              plgpu.wgmma(acc_ref, a, b)
+
+          def acc_scope(acc_ref, acc2_ref=None):
+            def mma(kk, slot):
+              mma_one(acc_ref, b_smem, kk, slot)
+              if fused:
+                mma_one(acc2_ref, b2_smem, kk, slot)
+            _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
+            if fused:
+              return acc_ref[...], acc2_ref[...]
+            return acc_ref[...]
+
+          if fused:
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)),
+                                plgpu.ACC((_HALF, wn)))
+            val = epilogue_fn(*acc)
+            fn = None
+          else:
+            val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, tn)))
+            fn = epilogue_fn
+
+          def dst_cols(c):
+            return out_ref.at[:, pl.ds(nt * n_out_tile + c * epi_n, epi_n)]
+          _epilogue(val, out_smem, wg, dst_cols, row0 + wg * _HALF, my_lo,
+                    my_rows, fn)
+          return step + nsteps
+        lax.fori_loop(0, my_count, work, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+  operands = [*schedule, lhs, rhs]
+  if fused:
+    operands.append(rhs2)
+  call = _kernel_call(body,
+                      jax.ShapeDtypeStruct((m + m_pad, out_n), out_dtype),
+                      interpret=interpret, cfg=cfg)
+  out = call(*operands)
+  return out[:m] if m_pad else out
+
+
+# ---------------------------------------------------------------------------
+# tgmm: out[g] = lhs[rows of g]^T @ grad[rows of g]
+
+
+def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
+         config: TileConfig | None = None, interpret=False):
+  """Transposed grouped matmul: [M, K] x [M, N] -> [G, K, N]."""
+  m, k = lhs.shape
+  m2, n = grad.shape
+  if m != m2:
+    raise ValueError(f"tgmm: row mismatch lhs {lhs.shape} grad {grad.shape}")
+  g = group_sizes.shape[0]
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+  cfg = config or pick_config(n, k)
+  tn, tk, stages = cfg.tile_n, cfg.tile_k, cfg.stages
+  tm = cfg.tile_m  # output rows (K of lhs) per work item
+  if k % tm or n % tn:
+    raise ValueError(f"tgmm: K={k} must divide by {tm} and N={n} by {tn}")
+  kt_n, nt_n = k // tm, n // tn
+  per_group = kt_n * nt_n
+  epi_n = _epi_cols(out_dtype)
+  num_sms = _num_sms(interpret)
+  m_pad = -m % _ROW_ALIGN  # the 8-row-tiled TMA view needs M % 8 == 0
+  if m_pad:
+    lhs = jnp.pad(lhs, ((0, m_pad), (0, 0)))
+    grad = jnp.pad(grad, ((0, m_pad), (0, 0)))
+  starts, ends = group_bounds(group_sizes, m)
+
+  def body(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref):
+    sm, my_count = _my_items(g * per_group, num_sms)
+    scratch = dict(
+        a_smem=_swizzled((stages, tk, tm), lhs.dtype),
+        b_smem=_swizzled((stages, tk, tn), grad.dtype),
+        out_smem=_out_smem(out_dtype, _out_slots(
+            tn, out_dtype, stages * tk * (tm + tn) * 2)),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS,
+                               num_barriers=stages),
+    )
+
+    def item(i):
+      w = sm + i * num_sms
+      grp = lax.div(w, per_group)
+      r = lax.rem(w, per_group)
+      start, end = starts_ref[grp], ends_ref[grp]
+      first = pl.multiple_of(lax.div(start, _ROW_ALIGN) * _ROW_ALIGN,
+                             _ROW_ALIGN)
+      nsteps = jnp.where(end > start, lax.div(end - first + tk - 1, tk), 0)
+      return (grp, lax.div(r, nt_n), lax.rem(r, nt_n), first, start - first,
+              end - first, nsteps)
+
+    def scoped(a_smem, b_smem, out_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == _NUM_COMPUTE_WGS)
+      def _producer():
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+        def work(i, step):
+          _, kt, nt, first, _, _, nsteps = item(i)
+
+          def issue(kk, slot):
+            rows = pl.ds(first + kk * tk, tk)
+            plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(kt * tm, tm)],
+                                    a_smem.at[slot], produced.at[slot])
+            plgpu.copy_gmem_to_smem(grad_ref.at[rows, pl.ds(nt * tn, tn)],
+                                    b_smem.at[slot], produced.at[slot])
+          _producer_k_loop(nsteps, step, stages, consumed, issue)
+          return step + nsteps
+        total = lax.fori_loop(0, my_count, work, jnp.int32(0))
+        _quiesce(total, stages, consumed)
+
+      @pl.when(wg < _NUM_COMPUTE_WGS)
+      def _consumer():
+        plgpu.set_max_registers(
+            min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS // 8 * 8),
+            action="increase")
+
+        def work(i, step):
+          grp, kt, nt, _, lo, hi, nsteps = item(i)
+
+          def acc_scope(acc_ref):
+            def mma(kk, slot):
+              a = a_smem.at[slot, :, _my_half(wg)]
+
+              # Block rows outside [lo, hi) belong to the neighbouring groups
+              # (or lie past M): zero this warpgroup's half of them first.
+              r0 = kk * tk
+              @pl.when(((kk == 0) & (lo > 0)) | (r0 + tk > hi))
+              def _():
+                rows = r0 + plgpu.layout_cast(
+                    lax.broadcasted_iota(jnp.int32, (tk, _HALF), 0),
+                    plgpu.Layout.WGMMA)
+                a[...] = jnp.where((rows >= lo) & (rows < hi), a[...],
+                                   jnp.zeros_like(a[...]))
+                plgpu.commit_smem()
+              plgpu.wgmma(acc_ref, a.T, b_smem.at[slot])
+            _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
+            return acc_ref[...]
+
+          val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, tn)))
+
+          def dst_cols(c):
+            return out_ref.at[grp, :, pl.ds(nt * tn + c * epi_n, epi_n)]
+          _epilogue(val, out_smem, wg, dst_cols, kt * tm + wg * _HALF,
+                    0, jnp.int32(_HALF), None)
+          return step + nsteps
+        lax.fori_loop(0, my_count, work, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+  call = _kernel_call(body, jax.ShapeDtypeStruct((g, k, n), out_dtype),
+                      interpret=interpret, cfg=cfg)
+  return call(starts, ends, lhs, grad)

@@ -1,0 +1,176 @@
+"""Tests for kernels.gmm: ragged_dot semantics, gradients, backends (CPU).
+
+The Hopper kernels run here in Pallas' Mosaic GPU interpreter (which fills
+fresh buffers with NaN, so an unwritten output element fails the check); the
+portable Pallas variant runs with its output aliased to a NaN-filled buffer.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import gmm as gmm_lib
+from kernels import gmm_mosaic
+from kernels import gmm_portable
+
+BF16 = jnp.bfloat16
+
+
+def _groups(rng, m, g, kind):
+  if kind == "all_in_one":
+    sizes = np.zeros(g, np.int64)
+    sizes[rng.integers(g)] = m
+  elif kind == "with_zeros_and_tail":  # empty groups, rows past the total
+    total = max(m - int(rng.integers(1, 40)), 0)
+    sizes = rng.multinomial(total, rng.dirichlet(np.ones(g)))
+    sizes[rng.choice(g, size=g // 2, replace=False)] = 0
+  else:
+    sizes = rng.multinomial(m, rng.dirichlet(np.ones(g)))
+  return sizes.astype(np.int32)
+
+
+def _inputs(seed, m, k, n, g, kind):
+  rng = np.random.default_rng(seed)
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  rhs = rng.standard_normal((g, k, n)).astype(np.float32) / np.sqrt(k)
+  # bf16-representable values, so the float64 reference sees the same inputs.
+  lhs = np.asarray(jnp.asarray(lhs, BF16).astype(jnp.float32), np.float64)
+  rhs = np.asarray(jnp.asarray(rhs, BF16).astype(jnp.float32), np.float64)
+  return lhs, rhs, _groups(rng, m, g, kind), rng
+
+
+def _ref_gmm(lhs, rhs, sizes):
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  ends = np.cumsum(sizes)
+  for gi, (s, e) in enumerate(zip(ends - sizes, ends)):
+    out[s:e] = lhs[s:e] @ rhs[gi]
+  return out
+
+
+def _ref_tgmm(lhs, grad, sizes):
+  ends = np.cumsum(sizes)
+  return np.stack([lhs[s:e].T @ grad[s:e] for s, e in zip(ends - sizes, ends)])
+
+
+def _rel(x, ref):
+  x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  assert np.all(np.isfinite(x)), "unwritten (NaN) or non-finite output"
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def _check_values_and_grads(seed, m, k, n, g, kind, **kw):
+  lhs, rhs, sizes, rng = _inputs(seed, m, k, n, g, kind)
+  cot = rng.standard_normal((m, n))
+  cot = np.asarray(jnp.asarray(cot, BF16).astype(jnp.float32), np.float64)
+  args = (jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes))
+
+  out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, args[2], **kw), *args[:2])
+  dlhs, drhs = vjp(jnp.asarray(cot, BF16))
+  rows = np.arange(m)[:, None] < sizes.sum()
+  assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-2
+  assert np.all(np.asarray(out, np.float32)[~rows[:, 0]] == 0)
+  assert _rel(dlhs, _ref_gmm(cot, rhs.transpose(0, 2, 1), sizes)) < 1e-2
+  assert _rel(drhs, _ref_tgmm(lhs, cot, sizes)) < 1e-2
+  assert out.dtype == BF16 and dlhs.dtype == BF16 and drhs.dtype == BF16
+
+
+# The Mosaic GPU interpreter is slow: few, small cases.
+@pytest.mark.parametrize("seed,m,kind", [
+    (0, 264, "with_zeros_and_tail"),   # unaligned starts, M % 8 == 0
+    (1, 203, "all_in_one"),            # M % 8 != 0, one group holds every row
+])
+def test_mosaic_kernels_in_interpreter(seed, m, kind):
+  _check_values_and_grads(seed, m, 128, 128, 5, kind, backend="pallas",
+                          interpret=True)
+
+
+@pytest.mark.parametrize("seed,m,k,n,g,kind", [
+    (2, 300, 128, 192, 6, "with_zeros_and_tail"),
+    (3, 97, 256, 64, 3, "all_in_one"),
+    (4, 512, 128, 128, 16, "uniform"),
+])
+def test_portable_kernels(seed, m, k, n, g, kind):
+  _check_values_and_grads(seed, m, k, n, g, kind, backend="pallas",
+                          interpret="portable")
+
+
+def test_xla_reference_backend():
+  _check_values_and_grads(5, 150, 64, 32, 4, "with_zeros_and_tail",
+                          backend="xla")
+
+
+def test_portable_writes_every_element():
+  lhs, rhs, sizes, _ = _inputs(6, 130, 128, 64, 4, "with_zeros_and_tail")
+  poison = jnp.full((130, 64), jnp.nan, BF16)
+  out = gmm_portable.gmm(jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16),
+                         jnp.asarray(sizes), out_init=poison)
+  assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-2
+  poison = jnp.full((4, 128, 64), jnp.nan, BF16)
+  dw = gmm_portable.tgmm(jnp.asarray(lhs, BF16), jnp.asarray(lhs[:, :64], BF16),
+                         jnp.asarray(sizes), out_init=poison)
+  assert _rel(dw, _ref_tgmm(lhs, lhs[:, :64], sizes)) < 1e-2
+
+
+def test_schedule_covers_each_row_once():
+  rng = np.random.default_rng(7)
+  for m in (1, 7, 128, 129, 300, 640):
+    g = int(rng.integers(1, 12))
+    sizes = _groups(rng, m, g, rng.choice(["uniform", "with_zeros_and_tail"]))
+    group, row, lo, hi, nt = map(np.asarray, gmm_mosaic.row_tile_schedule(
+        jnp.asarray(sizes), m, 128))
+    owner = np.full(m, -2)
+    for t in range(int(nt[0])):
+      assert row[t] % 8 == 0
+      rows = np.arange(row[t] + lo[t], row[t] + hi[t])
+      assert np.all(owner[rows] == -2), "row written twice"
+      owner[rows] = group[t]
+    ends = np.cumsum(sizes)
+    expect = np.full(m, -1)
+    for gi, (s, e) in enumerate(zip(ends - sizes, ends)):
+      expect[s:e] = gi
+    np.testing.assert_array_equal(owner, expect)
+
+
+def test_swiglu_fused_kernel_and_vjp():
+  lhs, w1, sizes, rng = _inputs(8, 136, 128, 128, 3, "with_zeros_and_tail")
+  w3 = np.asarray(jnp.asarray(rng.standard_normal(w1.shape) / 8, BF16)
+                  .astype(jnp.float32), np.float64)
+  x, a, b, gs = (jnp.asarray(v, BF16) for v in (lhs, w1, w3, sizes))
+  gs = jnp.asarray(sizes)
+  h1, h3 = _ref_gmm(lhs, w1, sizes), _ref_gmm(lhs, w3, sizes)
+  ref = h1 / (1 + np.exp(-h1)) * h3
+  fused = gmm_lib.gmm_swiglu(x, a, b, gs, backend="pallas", interpret=True)
+  assert _rel(fused, ref) < 1e-2
+  # Gradients through the custom VJP (portable kernels) against autodiff of
+  # the reference backend.
+  f = lambda be, it: (lambda *p: jnp.sum(gmm_lib.gmm_swiglu(
+      *p, gs, backend=be, interpret=it).astype(jnp.float32) ** 2))
+  got = jax.grad(f("pallas", "portable"), argnums=(0, 1, 2))(x, a, b)
+  want = jax.grad(f("xla", None), argnums=(0, 1, 2))(x, a, b)
+  for g1, g2 in zip(got, want):
+    assert _rel(g1, np.asarray(g2.astype(jnp.float32), np.float64)) < 2e-2
+
+
+def test_errors_name_the_problem():
+  x, w = jnp.zeros((8, 128), BF16), jnp.zeros((2, 128, 64), BF16)
+  gs = jnp.array([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="auto.*xla.*pallas"):
+    gmm_lib.gmm(x, w, gs, backend="cuda")
+  with pytest.raises(ValueError, match="K"):
+    gmm_lib.gmm(jnp.zeros((8, 64), BF16), w, gs)
+  with pytest.raises(ValueError, match="group sizes"):
+    gmm_lib.gmm(x, w, jnp.array([8], jnp.int32))
+  with pytest.raises(ValueError, match="K % 128"):
+    gmm_lib.gmm(jnp.zeros((8, 64), BF16), jnp.zeros((2, 64, 64), BF16), gs,
+                backend="pallas", interpret=False)
+
+
+def test_auto_uses_reference_off_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("auto picks the kernel on GPU")
+  lhs, rhs, sizes, _ = _inputs(9, 40, 32, 16, 3, "uniform")
+  f32 = jnp.float32
+  out = gmm_lib.gmm(jnp.asarray(lhs, f32), jnp.asarray(rhs, f32),
+                    jnp.asarray(sizes))  # f32, K % 128 != 0: reference only
+  assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-5
