@@ -8,6 +8,11 @@
 
 `variables` is a plain dict {"params": ..., "expert_bias": ...}: trainable
 parameters and the non-trainable routing bias, never hidden state.
+
+Prefix-tree merged rows (m2jax.rl.prefix_tree) pass `subtree_end` (and
+`parent` for MTP) with positions = depths:
+  out = m2jax.model.forward(config, variables, trees.tokens,
+                            **trees.model_inputs(), mtp_depth=1)
 """
 
 from __future__ import annotations
@@ -64,18 +69,26 @@ def _check_mtp(config: ModelConfig, variables, mtp_depth: int):
 
 
 def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
-            positions=None, mtp_depth: int = 0) -> ModelOutput:
-  """Full forward pass: logits, MTP logits, last hidden state, routing."""
+            positions=None, mtp_depth: int = 0, subtree_end=None,
+            parent=None) -> ModelOutput:
+  """Full forward pass: logits, MTP logits, last hidden state, routing.
+
+  `subtree_end` [B, T] selects the tree layout (key j visible to queries
+  j .. subtree_end[j] - 1; positions are depths); `parent` [B, T] (-1 at
+  roots) makes the MTP shift follow tree edges (transformer.py).
+  """
   _check_mtp(config, variables, mtp_depth)
   return _module(config).apply(variables, tokens_BxT, segment_ids, positions,
-                               mtp_depth=mtp_depth)
+                               mtp_depth=mtp_depth,
+                               subtree_end_BxT=subtree_end, parent_BxT=parent)
 
 
 def logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
-           positions=None):
-  """Next-token logits [B, T, V] in float32."""
+           positions=None, subtree_end=None):
+  """Next-token logits [B, T, V] in float32 (tree layout: read the logits
+  predicting token t at parent[t])."""
   return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
-                 positions=positions).logits
+                 positions=positions, subtree_end=subtree_end).logits
 
 
 def mtp_logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,

@@ -8,6 +8,14 @@ head; softmax attention where query head h reads KV head h // (H / KV).
 Masking: causal, never across segment ids (packed documents), optionally a
 sliding window on positions (i - j < window) with sink tokens (the first
 `num_sink_tokens` positions of each document stay visible).
+
+Tree layout (prefix-tree merged samples, m2jax.rl.prefix_tree): given
+`subtree_end`, "causal" becomes "key j is visible to query i iff
+j <= i < subtree_end[j]" (i is j or one of its descendants) and positions
+are depths. Full-attention layers then run the Pallas tree-attention kernel
+on a GPU (kernels/tree_attention.py; `attention_impl="xla"` or a CPU use the
+dense mask instead); sliding-window layers use the dense mask, the window
+measured on depths.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kernels.tree_attention import tree_attention
 from m2jax.config import ModelConfig
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
@@ -24,16 +33,19 @@ _NEG_INF = -1e30
 
 
 def attention_mask(segment_ids_BxT, positions_BxT, *, window: int | None,
-                   num_sink_tokens: int = 0):
+                   num_sink_tokens: int = 0, subtree_end_BxT=None):
   """Boolean [B, T, T] mask: query i may read key j.
 
   Causal on the token index (so it also holds for tree layouts where
   positions are depths), same segment, and, with a window, pos_i - pos_j <
-  window unless pos_j < num_sink_tokens.
+  window unless pos_j < num_sink_tokens. With `subtree_end_BxT` the causal
+  part is the tree's: j <= i < subtree_end[j].
   """
   T = segment_ids_BxT.shape[1]
   idx = jnp.arange(T)
   mask = (idx[None, :, None] >= idx[None, None, :])
+  if subtree_end_BxT is not None:
+    mask = mask & (idx[None, :, None] < subtree_end_BxT[:, None, :])
   mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
   if window is not None:
     dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
@@ -75,7 +87,8 @@ class Attention(nn.Module):
   window: int | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT):
+  def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT,
+               subtree_end_BxT=None):
     cfg = self.config
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
@@ -103,8 +116,18 @@ class Attention(nn.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
 
-    mask = attention_mask(segment_ids_BxT, positions_BxT, window=self.window,
-                          num_sink_tokens=cfg.num_sink_tokens)
-    out = dot_product_attention(q, k, v, mask, impl=cfg.attention_impl)
+    if subtree_end_BxT is not None and self._use_tree_kernel():
+      out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT)
+    else:
+      mask = attention_mask(segment_ids_BxT, positions_BxT,
+                            window=self.window,
+                            num_sink_tokens=cfg.num_sink_tokens,
+                            subtree_end_BxT=subtree_end_BxT)
+      out = dot_product_attention(q, k, v, mask, impl=cfg.attention_impl)
     y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cdt))
     return constrain(y, ("act_batch", "act_length", "act_embed"))
+
+  def _use_tree_kernel(self) -> bool:
+    """Pallas tree kernel for full layers on a GPU unless impl is "xla"."""
+    return (self.window is None and self.config.attention_impl != "xla"
+            and jax.default_backend() == "gpu")

@@ -10,6 +10,20 @@ hidden state, before the final norm) and the embedding of the token k steps
 ahead, normalises each, concatenates [embedding; hidden], projects 2D -> D,
 runs one transformer block, and predicts through the shared final norm and
 lm_head. At position t, depth k therefore predicts token t + k + 1.
+
+Tree layout (`subtree_end` and `parent` given; m2jax.rl.prefix_tree): every
+token appears once, attention follows the tree (attention.py) and the MoE
+and norms see each token once. The MTP shift follows tree edges: a token
+with several children has several next tokens, so depth k's elements are
+indexed by the token k ahead rather than by t. Element c (a token at depth
+>= k) takes emb(token c) and the depth-(k-1) hidden state of c's parent
+(the main model's hidden state for k = 1), sits at position depth(c) - k,
+and attends to its ancestors of depth >= k. On every sample's path through
+c this is exactly the unmerged position t = depth(c) - k, so
+mtp_logits[k-1][c] predicts each child d of c (token t + k + 1): the
+logits for node d are read at parent(d), as for the main head, and are
+valid where depth(parent(d)) >= k. On a chain this is the unmerged output
+shifted by k.
 """
 
 from __future__ import annotations
@@ -33,12 +47,13 @@ class Block(nn.Module):
   window: int | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, valid):
+  def __call__(self, x, segment_ids, positions, valid, subtree_end=None):
     cfg = self.config
     norm = lambda name: RMSNorm((cfg.hidden_size,), cfg.rms_norm_eps,
                                 ("norm",), cfg.param_dtype, name=name)
     h = norm("attn_norm")(x)
-    x = x + Attention(cfg, self.window, name="attn")(h, segment_ids, positions)
+    x = x + Attention(cfg, self.window, name="attn")(h, segment_ids, positions,
+                                                     subtree_end)
     h = norm("ffn_norm")(x)
     if cfg.ffn_type == "moe":
       y, stats = MoE(cfg, name="moe")(h, valid)
@@ -56,7 +71,8 @@ class MTPModule(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, hidden, shifted_emb, segment_ids, positions, valid):
+  def __call__(self, hidden, shifted_emb, segment_ids, positions, valid,
+               subtree_end=None):
     cfg = self.config
     D = cfg.hidden_size
     norm = lambda name: RMSNorm((D,), cfg.rms_norm_eps, ("norm",),
@@ -70,7 +86,7 @@ class MTPModule(nn.Module):
     stats = []
     for j in range(cfg.mtp_transformer_layers):
       h, s = _block_cls(cfg)(cfg, None, name=f"block_{j}")(
-          h, segment_ids, positions, valid)
+          h, segment_ids, positions, valid, subtree_end)
       stats.append(s)
     return h, stats
 
@@ -133,13 +149,21 @@ class Transformer(nn.Module):
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
   def __call__(self, tokens_BxT, segment_ids_BxT=None, positions_BxT=None, *,
-               mtp_depth: int = 0) -> ModelOutput:
+               mtp_depth: int = 0, subtree_end_BxT=None,
+               parent_BxT=None) -> ModelOutput:
     """Forward pass; `mtp_depth` MTP modules run after the main model.
 
     segment_ids: 0 marks padding (excluded from routing statistics); tokens
     never attend across different ids. positions default to restarting at
-    every segment start.
+    every segment start. subtree_end (and, for MTP, parent) switch to the
+    tree layout of the module docstring; positions are then required.
     """
+    tree = subtree_end_BxT is not None
+    if tree and positions_BxT is None:
+      raise ValueError("the tree layout needs positions (token depths)")
+    if tree and mtp_depth and parent_BxT is None:
+      raise ValueError("MTP in the tree layout needs parent (the index of "
+                       "each token's parent) to follow tree edges")
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones_like(tokens_BxT, dtype=jnp.int32)
     if positions_BxT is None:
@@ -149,19 +173,37 @@ class Transformer(nn.Module):
     x = self.embed(tokens_BxT)
     stats = []
     for layer in self.layers:
-      x, s = layer(x, segment_ids_BxT, positions_BxT, valid)
+      x, s = layer(x, segment_ids_BxT, positions_BxT, valid, subtree_end_BxT)
       stats.append(s)
     logits = self.head(x)
 
     mtp_logits, mtp_stats, h = [], [], x
     for k in range(1, mtp_depth + 1):
-      shifted = self.embed(shift_left(tokens_BxT, k))
-      # Position t of depth k is only meaningful while t + k stays inside
-      # t's segment; that is also what keeps its statistics honest.
-      same_seg = shift_left(segment_ids_BxT, k, fill=-1) == segment_ids_BxT
-      h, s = self.mtp[k - 1](h, shifted, segment_ids_BxT, positions_BxT,
-                             valid & same_seg)
+      if tree:
+        h, s = self._tree_mtp(k, h, tokens_BxT, segment_ids_BxT,
+                              positions_BxT, valid, subtree_end_BxT,
+                              parent_BxT)
+      else:
+        shifted = self.embed(shift_left(tokens_BxT, k))
+        # Position t of depth k is only meaningful while t + k stays inside
+        # t's segment; that is also what keeps its statistics honest.
+        same_seg = shift_left(segment_ids_BxT, k, fill=-1) == segment_ids_BxT
+        h, s = self.mtp[k - 1](h, shifted, segment_ids_BxT, positions_BxT,
+                               valid & same_seg)
       mtp_logits.append(self.head(h))
       mtp_stats.extend(s)
     return ModelOutput(logits, tuple(mtp_logits), x, _stack(stats),
                        _stack(mtp_stats))
+
+  def _tree_mtp(self, k, h_prev, tokens, segment_ids, positions, valid,
+                subtree_end, parent):
+    """Depth k on tree edges (module docstring): element c reads emb(c) and
+    h_prev at parent(c); elements shallower than k are cut out of the
+    attention (visible to themselves only) and of the routing statistics."""
+    h_in = jnp.take_along_axis(h_prev, jnp.maximum(parent, 0)[..., None],
+                               axis=1)
+    ok = valid & (positions >= k)
+    idx = jnp.arange(tokens.shape[1], dtype=subtree_end.dtype)[None]
+    subtree_end_k = jnp.where(ok, subtree_end, idx + 1)
+    return self.mtp[k - 1](h_in, self.embed(tokens), segment_ids,
+                           jnp.maximum(positions - k, 0), ok, subtree_end_k)

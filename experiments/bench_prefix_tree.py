@@ -1,0 +1,351 @@
+"""Prefix-tree merging benchmark: tree attention and a merged model step.
+
+One GPU run:
+  attention  tree attention (ours, a small tile sweep) on one GRPO group
+             packed in DFS order, TFLOP/s over live entries, next to cuDNN
+             causal attention on the same number of tokens and tokamax's
+             flash attention with a per-key q_end mask (if importable); a
+             correctness check of ours against the float32 reference.
+  model      forward+backward (CISPO loss) of a model step, unmerged (every
+             sample its own causal chain) vs merged (prefix trees), on
+             (a) GRPO groups and (b) agent trajectories; both layouts run the
+             same jitted step on rows of the same length (the unmerged batch
+             needs more rows: gradient accumulation), so the speedup is the
+             ratio of summed row times, printed next to the FLOPs ratio.
+
+  python -m experiments.bench_prefix_tree --out=benchmarks/results/prefix_tree_h100.json
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import traceback
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import tree_attention as ta
+from kernels import tree_attention_bench as tb
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.rl import cispo
+from m2jax.rl import prefix_tree as pt
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/prefix_tree_h100.json",
+                           "JSON results")
+_SECTIONS = flags.DEFINE_list("sections", ["attention", "model"], "what runs")
+_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU dry run of kernels")
+_REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (attention)")
+# Attention problem (SPEC §5: GQA 48/8, d=128, one group of 16384 tokens).
+_HEADS = flags.DEFINE_integer("heads", 48, "query heads")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 8, "KV heads")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "head dim")
+_ATTN_GROUPS = flags.DEFINE_list(
+    "attn_groups", ["4096x16x768", "4096x16x512"],
+    "GRPO groups PROMPTxGxRESPONSE timed for attention")
+_TILES = flags.DEFINE_list(
+    "tiles", ["128.128.64.64.64.64.8.2.4.2", "128.64.64.64.64.64.8.2.4.2",
+              "64.64.64.32.32.64.4.3.4.3"],
+    "tree-attention tile configs: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
+    "warps.stages.warps_bwd.stages_bwd (the first is the default)")
+_TOKAMAX = flags.DEFINE_list("tokamax", ["mosaic", "triton"],
+                             "tokamax implementations to time")
+# Model problem.
+_CONFIG = flags.DEFINE_string("config", "m2_small", "model preset")
+_FFN = flags.DEFINE_enum("ffn", "moe", ["moe", "dense"],
+                         "dense: SwiGLU with the MoE's active width")
+_ROW_LEN = flags.DEFINE_integer("row_len", 36864, "tokens per packed row")
+_GRPO = flags.DEFINE_string("grpo", "3x16x4096x512",
+                            "GROUPSxGxPROMPTxRESPONSE for case (a)")
+_AGENT_STEPS = flags.DEFINE_list("agent_steps", ["16", "32"],
+                                 "steps of each agent trajectory (case b)")
+_AGENT_START = flags.DEFINE_integer("agent_start", 2048, "initial state")
+_AGENT_FINAL = flags.DEFINE_integer("agent_final", 32768, "final length")
+_AGENT_REWRITE = flags.DEFINE_bool(
+    "agent_rewrite", True, "rewrite the context once in the last trajectory")
+
+
+def _tile_config(text):
+  v = [int(x) for x in text.split(".")]
+  return ta.TreeAttentionConfig(*v, interpret=_INTERPRET.value)
+
+
+def _record(results, key, value):
+  results[key] = value
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(results, f, indent=1, default=float)
+
+
+# ------------------------------------------------------------- attention ---
+
+def _check_ours_on_device(results):
+  """Ragged random tree, GQA, bf16: forward and gradients vs float32."""
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, 99, 300)
+  seqs = [np.concatenate([prompt, rng.integers(1, 3, rng.integers(1, 150))])
+          for _ in range(12)]   # ragged responses, some sharing a few tokens
+  T = 2000
+  se = pt.pack(seqs, row_len=T, num_rows=1).subtree_end
+  q, k, v, do = tb.inputs(T, 12, 2, 128)
+  cfg = _tile_config(_TILES.value[0])
+  got = jax.jit(tb.ours(se, cfg, backward=True))(q, k, v, do)
+  want = jax.jit(tb.reference(se, backward=True))(q, k, v, do)
+  errs = {n: tb.rel_err(g, w) for n, g, w in
+          zip(("out", "dq", "dk", "dv"), got, want)}
+  print("correctness (bf16 vs float32 reference, rel. L2):", errs)
+  _record(results, "correctness", errs)
+  if not all(e < 2e-2 for e in errs.values()):
+    raise AssertionError(f"tree attention mismatch on device: {errs}")
+
+
+def _time_attention(results):
+  N, K, H = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
+  rows = []
+  tiles = list(_TILES.value)
+  for n_group, spec in enumerate(_ATTN_GROUPS.value):
+    if n_group == 1:  # the tile sweep runs on the first group only
+      tiles = [_best_tiles(rows)]
+    prompt, G, resp = (int(x) for x in spec.split("x"))
+    se = tb.grpo_subtree_end(prompt, G, resp)
+    T = se.shape[1]
+    live = int(ta.live_entries(se)[0])
+    causal = T * (T + 1) // 2
+    q, k, v, do = tb.inputs(T, N, K, H)
+    cands = {}
+    for tile in tiles:
+      cfg = _tile_config(tile)
+      cands[f"ours[{tile}]"] = (tb.ours(se, cfg), tb.ours(se, cfg, True), live)
+    cands["cudnn_causal"] = (tb.cudnn_causal(), tb.cudnn_causal(True), causal)
+    if n_group == 0:  # kernel quality on plain causal, and the peers
+      chain = np.full((1, T), T, np.int32)
+      cfg = _tile_config(_TILES.value[0])
+      cands["ours_causal_chain"] = (tb.ours(chain, cfg),
+                                    tb.ours(chain, cfg, True), causal)
+      for impl in _TOKAMAX.value:
+        try:
+          cands[f"tokamax_{impl}_q_end"] = (tb.tokamax_q_end(se, impl),
+                                            tb.tokamax_q_end(se, impl, True),
+                                            live)
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"tokamax {impl}: not importable: {e}")
+    for name, (fwd, fwdbwd, entries) in cands.items():
+      row = {"group": spec, "tokens": T, "impl": name, "entries": entries,
+             "live_fraction_of_causal": live / causal}
+      for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+        try:
+          t = tb.time_fn(jax.jit(fn), q, k, v, do, reps=_REPS.value)
+          row[f"{mode}_ms"] = t * 1e3
+          row[f"{mode}_tflops"] = tb.attention_flops(
+              entries, N, H, mode == "fwdbwd") / t / 1e12
+        except Exception as e:  # pylint: disable=broad-except
+          row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          print(f"{spec} {name} {mode}: {row[f'{mode}_error']}")
+      rows.append(row)
+      print(f"{spec:>13} {name:<42} fwd {row.get('fwd_tflops', 0):6.1f}  "
+            f"fwd+bwd {row.get('fwdbwd_tflops', 0):6.1f} TFLOP/s "
+            f"({row.get('fwdbwd_ms', 0):.2f} ms)", flush=True)
+      _record(results, "attention", rows)
+  return rows
+
+
+def _best_tiles(rows):
+  ours = [r for r in rows if r["impl"].startswith("ours[")
+          and "fwdbwd_tflops" in r and r["group"] == _ATTN_GROUPS.value[0]]
+  if not ours:
+    return _TILES.value[0]
+  return max(ours, key=lambda r: r["fwdbwd_tflops"])["impl"][5:-1]
+
+
+# ----------------------------------------------------------------- model ---
+
+def _grpo_samples(rng, vocab):
+  groups, G, prompt, resp = (int(x) for x in _GRPO.value.split("x"))
+  seqs = []
+  for _ in range(groups):
+    p = rng.integers(1, vocab, prompt)
+    seqs += [np.concatenate([p, rng.integers(1, vocab, resp)])
+             for _ in range(G)]
+  return seqs
+
+
+def _agent_samples(rng, vocab):
+  """Sample t = state_t + action_t; state_{t+1} = state_t + action_t + obs_t.
+  The last trajectory's context is rewritten once (at 3/4 of its steps):
+  the state keeps its first half plus a summary (1/16 of its length), so
+  its chain branches there."""
+  seqs = []
+  for i, steps in enumerate(int(s) for s in _AGENT_STEPS.value):
+    rewrite = (3 * steps // 4 if _AGENT_REWRITE.value
+               and i == len(_AGENT_STEPS.value) - 1 else None)
+    growth = (_AGENT_FINAL.value - _AGENT_START.value) // steps
+    state = rng.integers(1, vocab, _AGENT_START.value)
+    for t in range(steps):
+      n_act = int(growth * rng.uniform(0.2, 0.4))
+      action = rng.integers(1, vocab, n_act)
+      seqs.append(np.concatenate([state, action]))
+      state = np.concatenate([state, action,
+                              rng.integers(1, vocab, growth - n_act)])
+      if t == rewrite:
+        state = np.concatenate([state[:len(state) // 2],
+                                rng.integers(1, vocab, len(state) // 16)])
+  return seqs
+
+
+def _model_config():
+  cfg = config_lib.get_preset(_CONFIG.value).replace(num_mtp_modules=0)
+  if _FFN.value == "dense":
+    cfg = cfg.replace(ffn_type="dense", dense_intermediate_size=(
+        cfg.num_experts_per_tok * cfg.moe_intermediate_size))
+  return cfg
+
+
+def step_flops(cfg, tokens: int, entries: int) -> float:
+  """Forward+backward FLOPs: 6 per token per active weight, attention 3.5x
+  its forward 4*N*H per live entry, per layer."""
+  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  attn_w = D * (N + 2 * K) * H + N * H * D
+  if cfg.ffn_type == "moe":
+    ffn_w = 3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    ffn_w += D * cfg.num_experts
+  else:
+    ffn_w = 3 * D * cfg.dense_intermediate_size
+  weights = cfg.num_layers * (attn_w + ffn_w) + D * cfg.vocab_size
+  attn = 4.0 * N * H * entries * cfg.num_layers
+  return 6.0 * weights * tokens + 3.5 * attn
+
+
+def _make_step(cfg, variables):
+  def loss_fn(params, row):
+    out = model.forward(cfg, dict(variables, params=params), row["tokens"],
+                        segment_ids=row["segment_ids"],
+                        positions=row["positions"],
+                        subtree_end=row["subtree_end"])
+    lp = pt.token_logprobs(out.logits, row["tokens"], row["parent"])
+    # Node-layout payloads: the same work as gathering to samples first.
+    return cispo.cispo_loss(lp, row["old_logprobs"], row["advantages"],
+                            row["mask"])[0]
+  return jax.jit(jax.value_and_grad(loss_fn))
+
+
+def _rows(trees, rng):
+  R, T = trees.tokens.shape
+  real = trees.segment_ids != 0
+  for r in range(R):
+    yield {"tokens": trees.tokens[r:r + 1],
+           "segment_ids": trees.segment_ids[r:r + 1],
+           "positions": trees.positions[r:r + 1],
+           "subtree_end": trees.subtree_end[r:r + 1],
+           "parent": trees.parent[r:r + 1],
+           "old_logprobs": rng.normal(-2, 0.5, (1, T)).astype(np.float32),
+           "advantages": rng.normal(0, 1, (1, T)).astype(np.float32),
+           "mask": (real[r:r + 1] & (rng.random((1, T)) < 0.5))}
+
+
+def _time_layout(step, params, trees, rng):
+  """Seconds of one forward+backward over all rows (the median of 3 timings
+  per row when there are few rows, else one; after a warm-up)."""
+  rows = [jax.device_put(r) for r in _rows(trees, rng)]
+  jax.block_until_ready(step(params, rows[0]))
+  reps = 3 if len(rows) <= 4 else 1
+  return sum(tb.time_fn(step, params, row, reps=reps, warmup=0)
+             for row in rows)
+
+
+def _time_model(results, remat=False):
+  cfg = _model_config().replace(remat=remat)
+  rng = np.random.default_rng(0)
+  variables = model.init(cfg, jax.random.key(0))
+  params = variables["params"]
+  cases = (("a_grpo", _grpo_samples(rng, cfg.vocab_size)),
+           ("b_agent", _agent_samples(rng, cfg.vocab_size)))
+  layouts = {case: {name: pt.pack(seqs, row_len=_ROW_LEN.value, merge=merge)
+                    for name, merge in (("unmerged", False), ("merged", True))}
+             for case, seqs in cases}
+  # Every row of every layout has one shape: compile once, time everything.
+  first = jax.device_put(next(_rows(layouts["a_grpo"]["merged"], rng)))
+  step = _make_step(cfg, variables).lower(params, first).compile()
+  mem = step.memory_analysis()
+  step_memory = {"temp": mem.temp_size_in_bytes / 2**30,
+                 "arguments": mem.argument_size_in_bytes / 2**30,
+                 "outputs": mem.output_size_in_bytes / 2**30}
+  print("compiled step memory (GiB):", step_memory, flush=True)
+  out = []
+  for case, seqs in cases:
+    row = {"case": case, "samples": len(seqs),
+           "sample_tokens": int(sum(map(len, seqs))), "config": _CONFIG.value,
+           "ffn": cfg.ffn_type, "remat": remat, "row_len": _ROW_LEN.value,
+           "step_memory_gib": step_memory}
+    for name, trees in layouts[case].items():
+      entries = trees.attention_entries()
+      row[name] = {"rows": int(trees.tokens.shape[0]),
+                   "tokens": trees.num_tokens, "attention_entries": entries,
+                   "flops": step_flops(cfg, trees.num_tokens, entries)}
+      row[name]["seconds"] = _time_layout(step, params, trees, rng)
+      row[name]["tflops"] = row[name]["flops"] / row[name]["seconds"] / 1e12
+    u, m = row["unmerged"], row["merged"]
+    row["speedup"] = u["seconds"] / m["seconds"]
+    row["flops_ratio"] = u["flops"] / m["flops"]
+    row["speedup_over_flops_ratio"] = row["speedup"] / row["flops_ratio"]
+    # Doing the whole batch in one step instead of accumulating over rows
+    # needs activation memory proportional to the rows.
+    row["one_step_activation_gib"] = {
+        k: row[k]["rows"] * row["step_memory_gib"]["temp"]
+        for k in ("unmerged", "merged")}
+    out.append(row)
+    print(f"{case}: {len(seqs)} samples, unmerged {u['rows']} rows "
+          f"{u['tokens']} tok {u['seconds']:.3f} s ({u['tflops']:.0f} TFLOP/s)"
+          f" | merged {m['rows']} rows {m['tokens']} tok {m['seconds']:.3f} s "
+          f"({m['tflops']:.0f} TFLOP/s) | speedup {row['speedup']:.2f}x, "
+          f"FLOPs ratio {row['flops_ratio']:.2f}x "
+          f"({100 * row['speedup_over_flops_ratio']:.0f}%) | per-row step "
+          f"temp {row['step_memory_gib']['temp']:.1f} GiB", flush=True)
+    _record(results, "model", out)
+  return out
+
+
+def main(argv):
+  del argv
+  dev = jax.devices()[0]
+  names = ("heads", "kv_heads", "head_dim", "attn_groups", "tiles", "config",
+           "ffn", "row_len", "grpo", "agent_steps", "agent_start",
+           "agent_final", "agent_rewrite", "reps")
+  results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+             "device": getattr(dev, "device_kind", str(dev)),
+             "jax": jax.__version__,
+             "flags": {n: flags.FLAGS[n].value for n in names}}
+  print("device:", results["device"], flush=True)
+  if "attention" in _SECTIONS.value:
+    try:
+      _check_ours_on_device(results)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+    try:
+      rows = _time_attention(results)
+      best = _best_tiles(rows)
+      ta.DEFAULT_CONFIG = _tile_config(best)
+      _record(results, "model_tiles", best)
+      print("tiles for the model step:", best)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+  if "model" in _SECTIONS.value:
+    try:
+      _time_model(results)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+      print("retrying the model step with a dense FFN of equal width and "
+            "remat", flush=True)
+      flags.FLAGS.ffn = "dense"
+      _time_model(results, remat=True)
+    stats = jax.devices()[0].memory_stats() or {}
+    _record(results, "peak_bytes_in_use", stats.get("peak_bytes_in_use"))
+  print(json.dumps({k: v for k, v in results.items() if k != "attention"},
+                   default=float)[:3000])
+
+
+if __name__ == "__main__":
+  app.run(main)

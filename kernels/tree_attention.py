@@ -1,0 +1,247 @@
+"""Tree (shared-prefix) attention: the mask given as one interval per key.
+
+Samples that share prefixes are merged into a prefix tree and flattened
+depth-first (m2jax.rl.prefix_tree). In that order the visible keys of a
+query are exactly its ancestors and itself, and key j is visible to query i
+iff
+
+    j <= i < subtree_end[j]      and      segment_ids[i] == segment_ids[j]
+
+(SPEC §3, §6). A chain (subtree_end[j] = end of j's segment) is plain causal
+attention over packed documents. The mask is never materialised as [T, T]:
+
+  tree_attention(q, k, v, subtree_end, segment_ids)   the Pallas kernels
+      (kernels/tree_attention_pallas.py), forward and backward as a
+      custom VJP, GQA (query head h reads KV head h // (N / K)).
+  tree_attention_reference(...)   pure jnp, dense mask, float32 softmax.
+
+Per tile (q rows a..b, k cols c..d) `block_lists` classifies the tile as
+  empty   c > b, or max(subtree_end[c..d]) <= a, or disjoint segment ranges;
+  full    d <= a, min(subtree_end[c..d]) > b, one segment on both sides;
+  partial otherwise.
+Each q block gets the list of its live k blocks, full ones first; the kernel
+runs the full ones without any mask and masks inside the partial ones only.
+The backward pass over k blocks uses the transposed lists. Queries with no
+visible key (impossible when subtree_end[j] > j) get a zero output.
+
+Example:
+  out_BxTxNxH = tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                               subtree_end_BxT, segment_ids_BxT)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import tree_attention_pallas as _pallas
+
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+# Segment id given to the padding that rounds T up to the block size.
+_PAD_SEGMENT = np.iinfo(np.int32).min
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAttentionConfig:
+  """Tile sizes (powers of two) and Triton launch parameters per pass.
+
+  Defaults: the best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
+  benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
+  """
+  block_q: int = 128
+  block_k: int = 128
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  num_warps: int = 8
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+  interpret: bool = False
+
+  @property
+  def pad_multiple(self) -> int:
+    return max(self.block_q, self.block_k, self.block_q_dq, self.block_k_dq,
+               self.block_q_dkv, self.block_k_dkv)
+
+
+# Tiles used when no config is passed (the model's attention passes none);
+# experiments/bench_prefix_tree.py sweeps alternatives and may replace it.
+DEFAULT_CONFIG = TreeAttentionConfig()
+
+
+# ----------------------------------------------------------------- masks ---
+
+def tree_mask(subtree_end_BxT, segment_ids_BxT=None):
+  """Dense boolean [B, T, T] mask (query i, key j). For tests and tiny T."""
+  T = subtree_end_BxT.shape[1]
+  i = jnp.arange(T)[None, :, None]
+  j = jnp.arange(T)[None, None, :]
+  mask = (j <= i) & (i < subtree_end_BxT[:, None, :])
+  if segment_ids_BxT is not None:
+    mask &= segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+  return mask
+
+
+def chain_subtree_end(segment_ids_BxT):
+  """subtree_end of packed causal documents: each key is seen to its
+  segment's end (a chain per segment), so tree attention == causal."""
+  T = segment_ids_BxT.shape[1]
+  idx = jnp.arange(T, dtype=jnp.int32)
+  is_last = jnp.concatenate(
+      [segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1],
+       jnp.ones_like(segment_ids_BxT[:, :1], dtype=bool)], axis=1)
+  # The next segment end at or after j: a reverse cumulative min.
+  end = jnp.where(is_last, idx + 1, T)
+  return jax.lax.cummin(end, axis=1, reverse=True).astype(jnp.int32)
+
+
+def live_entries(subtree_end_BxT, segment_ids_BxT=None) -> np.ndarray:
+  """Number of visible (query, key) pairs per row, counted without a mask:
+  sum_j (subtree_end[j] - j) when segments agree with the intervals."""
+  se = np.asarray(subtree_end_BxT, np.int64)
+  T = se.shape[1]
+  count = np.maximum(se - np.arange(T)[None], 0)
+  if segment_ids_BxT is not None:
+    count = np.where(np.asarray(segment_ids_BxT) != 0, count, 0)
+  return count.sum(axis=1)
+
+
+# ------------------------------------------------------------- reference ---
+
+def tree_attention_reference(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
+                             segment_ids_BxT=None, *, scale=None):
+  """Dense reference: float32 logits and softmax; empty rows give zeros."""
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_BxTxKxH.shape[2]
+  scale = H ** -0.5 if scale is None else scale
+  q = q_BxTxNxH.reshape(B, T, K, N // K, H)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxTxKxH,
+                      preferred_element_type=jnp.float32) * scale
+  mask = tree_mask(subtree_end_BxT, segment_ids_BxT)[:, None, None]
+  logits = jnp.where(mask, logits, _NEG)
+  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)) * mask
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_BxTxKxH.dtype), v_BxTxKxH,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+
+
+# ------------------------------------------------------------ tile lists ---
+
+def block_classes(subtree_end_BxT, segment_ids_BxT, block_q: int,
+                  block_k: int):
+  """(live, full) booleans [B, T/block_q, T/block_k] for every tile."""
+  B, T = subtree_end_BxT.shape
+  nq, nk = T // block_q, T // block_k
+  se = subtree_end_BxT.reshape(B, nk, block_k)
+  seg_k = segment_ids_BxT.reshape(B, nk, block_k)
+  seg_q = segment_ids_BxT.reshape(B, nq, block_q)
+  a = (jnp.arange(nq) * block_q)[None, :, None]          # first q row
+  b = a + block_q - 1                                     # last q row
+  c = (jnp.arange(nk) * block_k)[None, None, :]          # first k col
+  d = c + block_k - 1                                     # last k col
+  se_max, se_min = se.max(-1)[:, None, :], se.min(-1)[:, None, :]
+  kmin, kmax = seg_k.min(-1)[:, None, :], seg_k.max(-1)[:, None, :]
+  qmin, qmax = seg_q.min(-1)[:, :, None], seg_q.max(-1)[:, :, None]
+  live = (c <= b) & (se_max > a) & (kmin <= qmax) & (qmin <= kmax)
+  full = (live & (d <= a) & (se_min > b) & (qmin == qmax) & (kmin == kmax)
+          & (qmin == kmin))
+  return live, full
+
+
+def block_lists(live, full):
+  """Per row of tiles: column indices sorted full, partial, empty; counts.
+
+  Returns lists [..., n] int32 and counts [..., 2] int32 (n_full, n_partial).
+  """
+  order_key = jnp.where(full, 0, jnp.where(live, 1, 2))
+  lists = jnp.argsort(order_key, axis=-1, stable=True).astype(jnp.int32)
+  counts = jnp.stack([full.sum(-1), (live & ~full).sum(-1)], axis=-1)
+  return lists, counts.astype(jnp.int32)
+
+
+def _lists(se, seg, bq, bk, transpose=False):
+  live, full = block_classes(se, seg, bq, bk)
+  if transpose:
+    live, full = live.swapaxes(1, 2), full.swapaxes(1, 2)
+  return block_lists(live, full)
+
+
+# ---------------------------------------------------------- custom VJP -----
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, se, seg, scale, cfg):
+  return _forward(q, k, v, se, seg, scale, cfg)[0]
+
+
+def _forward(q, k, v, se, seg, scale, cfg):
+  lists, counts = _lists(se, seg, cfg.block_q, cfg.block_k)
+  return _pallas.forward(q, k, v, se, seg, lists, counts, scale=scale,
+                         cfg=cfg)
+
+
+def _attention_fwd(q, k, v, se, seg, scale, cfg):
+  out, lse = _forward(q, k, v, se, seg, scale, cfg)
+  return out, (q, k, v, se, seg, out, lse)
+
+
+def _attention_bwd(scale, cfg, res, do):
+  q, k, v, se, seg, out, lse = res
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
+                     do.astype(jnp.float32))
+  dq_lists = _lists(se, seg, cfg.block_q_dq, cfg.block_k_dq)
+  dkv_lists = _lists(se, seg, cfg.block_q_dkv, cfg.block_k_dkv,
+                     transpose=True)
+  dq = _pallas.backward_dq(q, k, v, do, lse, delta, se, seg, *dq_lists,
+                           scale=scale, cfg=cfg)
+  dk, dv = _pallas.backward_dkv(q, k, v, do, lse, delta, se, seg, *dkv_lists,
+                                scale=scale, cfg=cfg)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
+                   segment_ids_BxT=None, *, scale=None,
+                   config: TreeAttentionConfig | None = None,
+                   interpret: bool | None = None):
+  """Flash attention under the tree mask; see the module docstring.
+
+  Args:
+    q_BxTxNxH: queries; k_BxTxKxH, v_BxTxKxH: keys and values, N % K == 0.
+    subtree_end_BxT: int, key j is visible to queries j .. subtree_end[j]-1.
+    segment_ids_BxT: optional int >= 0; keys never cross segments.
+    scale: logit scale, default head_dim ** -0.5.
+    config: tile sizes; `interpret=True` runs the kernels on CPU.
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  cfg = config or DEFAULT_CONFIG
+  if interpret is not None:
+    cfg = dataclasses.replace(cfg, interpret=interpret)
+  B, T, N, H = q_BxTxNxH.shape
+  if N % k_BxTxKxH.shape[2]:
+    raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads="
+                     f"{k_BxTxKxH.shape[2]}")
+  scale = float(H ** -0.5 if scale is None else scale)
+  se = subtree_end_BxT.astype(jnp.int32)
+  seg = (jnp.zeros_like(se) if segment_ids_BxT is None
+         else segment_ids_BxT.astype(jnp.int32))
+  Tp = -(-T // cfg.pad_multiple) * cfg.pad_multiple
+  if Tp != T:  # padding keys see only themselves, in a segment of their own
+    pad = ((0, 0), (0, Tp - T), (0, 0), (0, 0))
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
+        jnp.pad(x, pad) for x in (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH))
+    tail = jnp.arange(T, Tp, dtype=jnp.int32)[None]
+    se = jnp.concatenate([se, jnp.broadcast_to(tail + 1, (B, Tp - T))], 1)
+    seg = jnp.concatenate(
+        [seg, jnp.full((B, Tp - T), _PAD_SEGMENT, jnp.int32)], 1)
+  out = _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, se, seg, scale, cfg)
+  return out[:, :T]

@@ -1,0 +1,101 @@
+"""Benchmark pieces for tree attention (used by experiments/bench_prefix_tree.py).
+
+Tree layouts, the candidates wrapped to one calling convention, a device
+timer and the error metric. A candidate is `(q, k, v, do) -> out` (forward)
+or `-> (out, dq, dk, dv)` (forward+backward). FLOPs count live entries only:
+4 * N * H per visible (query, key) pair forward, x3.5 forward+backward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import tree_attention as ta
+
+
+def grpo_subtree_end(prompt: int, responses: int, response_len: int):
+  """One GRPO group in DFS order: [prompt, r_1, ..., r_G] -> [1, T] int32."""
+  T = prompt + responses * response_len
+  se = np.full(T, T, np.int32)
+  for g in range(responses):
+    a = prompt + g * response_len
+    se[a:a + response_len] = a + response_len
+  return se[None]
+
+
+def attention_flops(live_entries: int, num_heads: int, head_dim: int,
+                    backward: bool) -> float:
+  return 4.0 * num_heads * head_dim * live_entries * (3.5 if backward else 1.0)
+
+
+def _fwdbwd(attn):
+  def f(q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
+    return (out,) + vjp(do)
+  return f
+
+
+def ours(subtree_end, config=None, backward=False):
+  se = jnp.asarray(subtree_end)
+  attn = lambda q, k, v: ta.tree_attention(q, k, v, se, config=config)
+  return _fwdbwd(attn) if backward else (lambda q, k, v, do: attn(q, k, v))
+
+
+def cudnn_causal(backward=False):
+  attn = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="cudnn")
+  return _fwdbwd(attn) if backward else (lambda q, k, v, do: attn(q, k, v))
+
+
+def tokamax_q_end(subtree_end, implementation: str, backward=False):
+  """tokamax's flash attention with a per-key q_end mask (its own form of
+  the same interval: key j is read by queries < q_end[j], causal)."""
+  from tokamax._src.ops.attention import base  # pylint: disable=g-import-not-at-top
+  if implementation == "mosaic":
+    from tokamax._src.ops.attention import pallas_mosaic_gpu as impl  # pylint: disable=g-import-not-at-top
+    op = impl.PallasMosaicGpuFlashAttention()
+  else:
+    from tokamax._src.ops.attention import pallas_triton as impl  # pylint: disable=g-import-not-at-top
+    op = impl.PallasTritonFlashAttention()
+  mask = base.Mask(q_end=jnp.asarray(subtree_end)[:, None, :], is_causal=True)
+  attn = lambda q, k, v: op(q, k, v, mask=mask)
+  return _fwdbwd(attn) if backward else (lambda q, k, v, do: attn(q, k, v))
+
+
+def reference(subtree_end, backward=False):
+  se = jnp.asarray(subtree_end)
+  attn = lambda q, k, v: ta.tree_attention_reference(
+      *(x.astype(jnp.float32) for x in (q, k, v)), se).astype(q.dtype)
+  return _fwdbwd(attn) if backward else (lambda q, k, v, do: attn(q, k, v))
+
+
+def inputs(T, num_heads, num_kv_heads, head_dim, dtype=jnp.bfloat16, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(keys[0], (1, T, num_heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (1, T, num_kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (1, T, num_kv_heads, head_dim), dtype)
+  do = jax.random.normal(keys[3], (1, T, num_heads, head_dim), dtype)
+  return q, k, v, do
+
+
+def rel_err(got, want) -> float:
+  got = jnp.asarray(got, jnp.float32)
+  want = jnp.asarray(want, jnp.float32)
+  return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def time_fn(f, *args, reps: int = 10, warmup: int = 2) -> float:
+  """Median seconds per call of an already-jitted `f` (synchronised)."""
+  for _ in range(warmup):
+    jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)

@@ -1,0 +1,295 @@
+"""Prefix-tree merging: the packed layout, the batch shapes Forge produces,
+CISPO, and exactness of merged logprobs / MTP / CISPO gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.tree_attention import tree_mask
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.rl import cispo
+from m2jax.rl import prefix_tree as pt
+
+
+# ------------------------------------------------------------ batches ------
+
+def grpo_group(rng, prompt_len, num_responses, response_len, vocab=50):
+  """One prompt, G responses; some responses share their first tokens."""
+  prompt = list(rng.integers(1, vocab, prompt_len))
+  stems = [list(rng.integers(1, vocab, 2)) for _ in range(2)]
+  return [prompt + stems[g % 2] + list(rng.integers(1, vocab, response_len))
+          for g in range(num_responses)]
+
+
+def agent_trajectory(rng, steps, rewrite_at=None, vocab=50):
+  """Samples (state_t + action_t, loss mask on the action). state_{t+1} =
+  state_t + action_t + observation_t, except at `rewrite_at`, where the
+  context manager keeps only the first half of the state and a summary."""
+  state = list(rng.integers(1, vocab, 6))
+  samples, masks = [], []
+  for t in range(steps):
+    action = list(rng.integers(1, vocab, int(rng.integers(1, 4))))
+    samples.append(state + action)
+    masks.append([False] * len(state) + [True] * len(action))
+    obs = list(rng.integers(1, vocab, int(rng.integers(1, 4))))
+    state = state + action + obs
+    if t == rewrite_at:
+      state = state[:len(state) // 2] + [vocab + 1]
+  return samples, masks
+
+
+def check_layout(trees, seqs):
+  """Every sample is recovered exactly: its tokens, positions 0..L-1, a
+  parent chain along its path, and its last token sees exactly its own
+  tokens (nothing of any other branch)."""
+  R, T = trees.tokens.shape
+  mask = np.asarray(tree_mask(jnp.asarray(trees.subtree_end),
+                              jnp.asarray(trees.segment_ids)))
+  for s, seq in enumerate(seqs):
+    idx = trees.sample_index[s, :len(seq)]
+    assert np.all(trees.sample_index[s, len(seq):] == -1)
+    row, cols = idx[0] // T, idx % T
+    assert np.all(idx // T == row)
+    np.testing.assert_array_equal(trees.tokens[row, cols], seq)
+    np.testing.assert_array_equal(trees.positions[row, cols],
+                                  np.arange(len(seq)))
+    assert trees.parent[row, cols[0]] == -1
+    np.testing.assert_array_equal(trees.parent[row, cols[1:]], cols[:-1])
+    assert np.all(trees.segment_ids[row, cols] == trees.segment_ids[row,
+                                                                   cols[0]])
+    assert trees.segment_ids[row, cols[0]] > 0
+    np.testing.assert_array_equal(np.nonzero(mask[row, cols[-1]])[0],
+                                  np.sort(cols))
+  real = trees.segment_ids != 0
+  idx = np.arange(T)[None]
+  assert np.all(trees.subtree_end[real] > np.broadcast_to(idx, (R, T))[real])
+  assert np.all(trees.subtree_end <= T)
+
+
+# -------------------------------------------------------------- layout -----
+
+def test_grpo_group_shares_the_prompt():
+  rng = np.random.default_rng(0)
+  seqs = grpo_group(rng, prompt_len=10, num_responses=6, response_len=5)
+  trees = pt.pack(seqs, row_len=64)
+  check_layout(trees, seqs)
+  assert trees.tokens.shape[0] == 1
+  # prompt once, two shared 2-token stems, then 6 distinct 5-token tails.
+  assert trees.num_tokens == 10 + 2 * 2 + 6 * 5
+  unmerged = pt.pack(seqs, row_len=64, merge=False)
+  check_layout(unmerged, seqs)
+  assert unmerged.num_tokens == sum(map(len, seqs))
+  assert trees.attention_entries() < unmerged.attention_entries()
+
+
+def test_agent_trajectory_is_one_chain_until_a_rewrite():
+  rng = np.random.default_rng(1)
+  seqs, masks = agent_trajectory(rng, steps=8)
+  trees = pt.pack(seqs, row_len=256, loss_masks=masks)
+  check_layout(trees, seqs)
+  # No rewrite: every step is a prefix of the next, so one chain as long
+  # as the last sample.
+  assert trees.num_tokens == len(seqs[-1])
+  np.testing.assert_array_equal(trees.parent[0, 1:trees.num_tokens],
+                                np.arange(trees.num_tokens - 1))
+
+  seqs, masks = agent_trajectory(rng, steps=8, rewrite_at=3)
+  trees = pt.pack(seqs, row_len=256, loss_masks=masks)
+  check_layout(trees, seqs)
+  children = np.bincount(trees.parent[trees.parent >= 0])
+  assert children.max() == 2 and (children == 2).sum() == 1  # one fork
+
+
+def test_loss_masks_and_payloads_stay_per_sample():
+  """The same token is an action (trained) in step t and context in step
+  t+1: masks and payloads are kept in each sample's layout."""
+  rng = np.random.default_rng(2)
+  seqs, masks = agent_trajectory(rng, steps=4)
+  old = [rng.standard_normal(len(s)).astype(np.float32) for s in seqs]
+  trees = pt.pack(seqs, row_len=128, loss_masks=masks,
+                  payloads={"old_logprobs": old})
+  for s in range(len(seqs)):
+    n = len(seqs[s])
+    np.testing.assert_array_equal(trees.loss_mask[s, :n], masks[s])
+    np.testing.assert_array_equal(trees.payloads["old_logprobs"][s, :n],
+                                  old[s])
+    assert not trees.loss_mask[s, n:].any()
+  # Step 0's action tokens are context (mask False) in step 1.
+  n0 = len(seqs[0])
+  assert trees.loss_mask[0, n0 - 1] and not trees.loss_mask[1, n0 - 1]
+  assert trees.sample_index[0, n0 - 1] == trees.sample_index[1, n0 - 1]
+
+
+def test_mixture_of_groups_and_trajectories():
+  rng = np.random.default_rng(3)
+  seqs = grpo_group(rng, 8, 4, 3) + grpo_group(rng, 5, 3, 4)
+  traj, _ = agent_trajectory(rng, steps=5, rewrite_at=2)
+  seqs += traj + [list(rng.integers(1, 50, 7))]
+  trees = pt.pack(seqs, row_len=96)
+  check_layout(trees, seqs)
+  assert trees.num_tokens < sum(map(len, seqs))
+
+
+def test_row_budget_splits_a_tree_and_repeats_only_the_prefix():
+  rng = np.random.default_rng(4)
+  prompt = list(rng.integers(1, 50, 6))
+  seqs = [prompt + list(rng.integers(50, 99, 3)) for _ in range(4)]
+  # Whole tree: 6 + 12 = 18 tokens; a 12-token row holds the prompt and
+  # two responses, so two rows, each with its own copy of the prompt.
+  trees = pt.pack(seqs, row_len=12)
+  check_layout(trees, seqs)
+  assert trees.tokens.shape[0] == 2
+  assert trees.num_tokens == 2 * 6 + 4 * 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_batches_any_budget(seed):
+  rng = np.random.default_rng(10 + seed)
+  seqs = grpo_group(rng, int(rng.integers(1, 12)), int(rng.integers(1, 6)),
+                    int(rng.integers(0, 6)), vocab=6)
+  traj, _ = agent_trajectory(rng, steps=int(rng.integers(2, 7)),
+                             rewrite_at=int(rng.integers(0, 4)), vocab=6)
+  seqs += traj + [list(rng.integers(1, 6, int(rng.integers(1, 9))))]
+  longest = max(map(len, seqs))
+  for row_len in (longest, longest + 7, 4 * longest):
+    trees = pt.pack(seqs, row_len=row_len)
+    check_layout(trees, seqs)
+
+
+def test_sample_longer_than_a_row_is_rejected():
+  with pytest.raises(ValueError, match="row_len"):
+    pt.pack([[1, 2, 3, 4]], row_len=3)
+
+
+# --------------------------------------------------------------- CISPO -----
+
+def test_group_advantages_are_standardised():
+  a = cispo.group_advantages(jnp.array([1.0, 0.0, 0.0, 1.0, 1.0]))
+  np.testing.assert_allclose(a.mean(), 0.0, atol=1e-6)
+  np.testing.assert_allclose(a.std(), 1.0, atol=1e-5)
+
+
+def test_cispo_reweights_but_never_drops_a_token():
+  """d loss / d logprob = -clip(ratio) * A / n for every trained token, also
+  where the ratio is clipped (PPO would give zero there)."""
+  cfg = cispo.CISPOConfig(eps_low=1.0, eps_high=0.2)
+  lp = jnp.array([[-1.0, -0.5, -2.0, -1.0]])
+  old = jnp.array([[-1.0, -1.5, -1.0, -1.0]])      # ratios 1, e, 1/e, 1
+  adv = jnp.array([[1.0, 2.0, -1.0, 5.0]])
+  mask = jnp.array([[True, True, True, False]])
+  grad = jax.grad(lambda x: cispo.cispo_loss(x, old, adv, mask, cfg)[0])(lp)
+  ratio = np.exp(np.asarray(lp - old))
+  want = -np.clip(ratio, 0.0, 1.2) * np.asarray(adv) * np.asarray(mask) / 3
+  np.testing.assert_allclose(grad, want, rtol=1e-6)
+  assert np.all(np.asarray(grad)[0, :3] != 0)
+
+
+# ----------------------------------------------------------- exactness -----
+
+CFG = config_lib.TINY.replace(num_mtp_modules=1, compute_dtype="float32",
+                              attention_impl="xla")
+
+
+@functools.lru_cache(maxsize=None)
+def _variables():
+  return model.init(CFG, jax.random.key(0))
+
+
+def _exactness_batch(rng):
+  vocab = CFG.vocab_size - 2  # the rewrite marker is vocab + 1
+  seqs = grpo_group(rng, 9, 4, 4, vocab=vocab)
+  traj, traj_masks = agent_trajectory(rng, steps=4, rewrite_at=1, vocab=vocab)
+  seqs += traj
+  masks = [[False] * 9 + [True] * (len(s) - 9) for s in seqs[:4]] + traj_masks
+  old = [rng.normal(-2.0, 0.5, len(s)).astype(np.float32) for s in seqs]
+  adv = []
+  for a, s in zip(np.asarray(cispo.group_advantages(rng.random(len(seqs)))),
+                  seqs):
+    adv.append(np.full(len(s), a, np.float32))
+  return seqs, masks, {"old_logprobs": old, "advantages": adv}
+
+
+def _unmerged_outputs(params, seqs, L):
+  """Reference: one padded row per sample, the model's ordinary causal path."""
+  tokens = np.zeros((len(seqs), L), np.int32)
+  seg = np.zeros((len(seqs), L), np.int32)
+  for s, seq in enumerate(seqs):
+    tokens[s, :len(seq)], seg[s, :len(seq)] = seq, 1
+  out = model.forward(CFG, dict(_variables(), params=params),
+                      jnp.asarray(tokens), segment_ids=jnp.asarray(seg),
+                      mtp_depth=1)
+  tok = jnp.asarray(tokens)
+  lp = jax.nn.log_softmax(out.logits, -1)
+  lp = jnp.take_along_axis(lp[:, :-1], tok[:, 1:, None], -1)[..., 0]
+  lp_SxL = jnp.pad(lp, ((0, 0), (1, 0)))                  # token l from l-1
+  mtp = jax.nn.log_softmax(out.mtp_logits[0], -1)
+  mtp = jnp.take_along_axis(mtp[:, :-2], tok[:, 2:, None], -1)[..., 0]
+  mtp_SxL = jnp.pad(mtp, ((0, 0), (2, 0)))                # token l from l-2
+  return lp_SxL, mtp_SxL
+
+
+def _merged_outputs(params, trees):
+  inputs = trees.model_inputs()
+  tokens = jnp.asarray(trees.tokens)
+  out = model.forward(CFG, dict(_variables(), params=params), tokens,
+                      mtp_depth=1, **inputs)
+  index = jnp.asarray(trees.sample_index)
+  lp_SxL = pt.sample_logprobs(out.logits, tokens, inputs["parent"], index)
+  mtp_SxL = pt.sample_logprobs(out.mtp_logits[0], tokens, inputs["parent"],
+                               index)
+  return lp_SxL, mtp_SxL
+
+
+def _loss(logprobs_SxL, trees):
+  return cispo.cispo_loss(logprobs_SxL,
+                          jnp.asarray(trees.payloads["old_logprobs"]),
+                          jnp.asarray(trees.payloads["advantages"]),
+                          jnp.asarray(trees.loss_mask),
+                          cispo.CISPOConfig(eps_high=0.3))[0]
+
+
+def test_merged_logprobs_mtp_and_cispo_gradient_equal_unmerged():
+  """The tiny MoE model in float32: per-sample logprobs, MTP depth-1
+  logprobs and the gradient of the token-mean CISPO loss are the same from
+  the merged tree (one row, and split over rows by a budget) as from the
+  unmerged batch, to 1e-5."""
+  rng = np.random.default_rng(0)
+  seqs, masks, payloads = _exactness_batch(rng)
+  L = max(map(len, seqs))
+  params = _variables()["params"]
+  valid = np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None]
+
+  def unmerged(p):
+    lp, mtp = _unmerged_outputs(p, seqs, L)
+    return _loss(lp, trees_one_row), (lp, mtp)
+
+  def merged(p, trees):
+    lp, mtp = _merged_outputs(p, trees)
+    return _loss(lp, trees), (lp, mtp)
+
+  trees_one_row = pt.pack(seqs, row_len=128, loss_masks=masks,
+                          payloads=payloads, max_len=L)
+  trees_split = pt.pack(seqs, row_len=L + 3, loss_masks=masks,
+                        payloads=payloads, max_len=L)
+  assert trees_one_row.num_tokens < sum(map(len, seqs))
+  assert trees_split.tokens.shape[0] > 1
+  (loss_u, (lp_u, mtp_u)), g_u = jax.jit(
+      jax.value_and_grad(unmerged, has_aux=True))(params)
+  for trees in (trees_one_row, trees_split):
+    (loss_m, (lp_m, mtp_m)), g_m = jax.jit(jax.value_and_grad(
+        functools.partial(merged, trees=trees), has_aux=True))(params)
+    lp_valid = valid & (np.arange(L)[None] >= 1)
+    np.testing.assert_allclose(np.asarray(lp_m)[lp_valid],
+                               np.asarray(lp_u)[lp_valid], atol=1e-5)
+    mtp_valid = valid & (np.arange(L)[None] >= 2)
+    np.testing.assert_allclose(np.asarray(mtp_m)[mtp_valid],
+                               np.asarray(mtp_u)[mtp_valid], atol=1e-5)
+    np.testing.assert_allclose(loss_m, loss_u, atol=1e-6)
+    for (path, gm), gu in zip(jax.tree_util.tree_leaves_with_path(g_m),
+                              jax.tree_util.tree_leaves(g_u)):
+      np.testing.assert_allclose(gm, gu, atol=1e-5, err_msg=str(path))
+  assert float(jnp.abs(jax.tree_util.tree_leaves(g_u)[0]).max()) > 0

@@ -1,0 +1,176 @@
+"""Tree attention: the Pallas kernels (interpret mode) against the reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import tree_attention as ta
+
+# 16-row tiles keep the interpreter fast and still give several tiles per row.
+CFG = ta.TreeAttentionConfig(block_q=16, block_k=16, block_q_dq=16,
+                             block_k_dq=16, block_q_dkv=16, block_k_dkv=16,
+                             interpret=True)
+N, K, H = 4, 2, 16
+
+
+def random_forest(rng, T, max_pop=3):
+  """A random forest in depth-first order: (subtree_end, segment_ids).
+
+  Each new token pops a random number of path tokens (closing branches)
+  before becoming a child of the top of the path; an empty path starts a
+  new tree, which gets a new segment id.
+  """
+  parent = np.full(T, -1)
+  seg = np.zeros(T, np.int32)
+  path, tree = [], 0
+  for i in range(T):
+    for _ in range(rng.integers(0, max_pop + 1) if rng.random() < 0.3 else 0):
+      if path:
+        path.pop()
+    if not path:
+      tree += 1
+    parent[i] = path[-1] if path else -1
+    seg[i] = tree
+    path.append(i)
+  end = np.arange(T) + 1
+  for i in reversed(range(T)):  # children come after parents in DFS order
+    if parent[i] >= 0:
+      end[parent[i]] = max(end[parent[i]], end[i])
+  return end.astype(np.int32), seg
+
+
+def _qkv(seed, B, T):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal((B, T, n, H)), jnp.float32)
+               for n in (N, K, K))
+
+
+@functools.lru_cache(maxsize=None)
+def _fns(shape):
+  """Jitted (kernel, reference) forward and gradient functions."""
+  del shape  # one cache entry (one compilation) per input shape
+  w = jnp.sin(jnp.arange(H, dtype=jnp.float32))
+
+  def grads(fn):
+    loss = lambda q, k, v, se, seg: jnp.sum(fn(q, k, v, se, seg) * w)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  kernel = lambda q, k, v, se, seg: ta.tree_attention(q, k, v, se, seg,
+                                                      config=CFG)
+  ref = ta.tree_attention_reference
+  return jax.jit(kernel), jax.jit(ref), grads(kernel), grads(ref)
+
+
+def _compare(q, k, v, se, seg, atol=2e-5):
+  kernel, ref, dkernel, dref = _fns(q.shape)
+  np.testing.assert_allclose(kernel(q, k, v, se, seg), ref(q, k, v, se, seg),
+                             atol=atol, rtol=1e-5)
+  for got, want in zip(dkernel(q, k, v, se, seg), dref(q, k, v, se, seg)):
+    np.testing.assert_allclose(got, want, atol=atol * 10, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_trees_match_reference(seed):
+  """Forward and all three gradients on random forests, ragged T (not a
+  multiple of the tile), GQA, several trees (segments) per row."""
+  rng = np.random.default_rng(seed)
+  B, T = 2, 75
+  se, seg = zip(*(random_forest(rng, T) for _ in range(B)))
+  q, k, v = _qkv(seed, B, T)
+  _compare(q, k, v, jnp.asarray(np.stack(se)), jnp.asarray(np.stack(seg)))
+
+
+def test_single_chain_is_causal_attention():
+  B, T = 2, 75
+  q, k, v = _qkv(3, B, T)
+  se = jnp.full((B, T), T, jnp.int32)
+  out = _fns(q.shape)[0](q, k, v, se, jnp.zeros((B, T), jnp.int32))
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      implementation="xla")
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-5)
+
+
+def test_chain_subtree_end_packs_documents():
+  seg = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0]])
+  np.testing.assert_array_equal(ta.chain_subtree_end(seg),
+                                [[3, 3, 3, 5, 5, 6, 8, 8]])
+  mask = ta.tree_mask(ta.chain_subtree_end(seg), seg)
+  i, j = np.tril_indices(8)
+  causal = np.zeros((8, 8), bool)
+  causal[i, j] = True
+  same = np.asarray(seg[0, :, None] == seg[0, None, :])
+  np.testing.assert_array_equal(mask[0], causal & same)
+
+
+def test_empty_branches_and_rows():
+  """Keys nobody may read (subtree_end[j] == j), so some queries see nothing
+  at all, and tiles whose lists are empty: zero output, finite gradients,
+  still equal to the reference."""
+  rng = np.random.default_rng(5)
+  B, T = 2, 75
+  se, seg = zip(*(random_forest(rng, T, max_pop=6) for _ in range(B)))
+  se = np.stack(se)
+  hidden = rng.random((B, T)) < 0.3
+  se = np.where(hidden, np.arange(T)[None], se).astype(np.int32)
+  q, k, v = _qkv(4, B, T)
+  se, seg = jnp.asarray(se), jnp.asarray(np.stack(seg))
+  _compare(q, k, v, se, seg)
+  out = _fns(q.shape)[0](q, k, v, se, seg)
+  nothing_visible = ~np.asarray(ta.tree_mask(se, seg)).any(-1)
+  assert nothing_visible.any()
+  assert np.all(np.asarray(out)[nothing_visible] == 0.0)
+
+
+def test_ragged_lengths():
+  """T below one tile (the other tests use T = 75, not a multiple of 16):
+  padded inside the wrapper, padding invisible to real queries."""
+  rng = np.random.default_rng(7)
+  T = 9
+  se, seg = zip(*(random_forest(rng, T) for _ in range(2)))
+  q, k, v = _qkv(T, 2, T)
+  se, seg = jnp.asarray(np.stack(se)), jnp.asarray(np.stack(seg))
+  kernel, ref = _fns(q.shape)[:2]
+  np.testing.assert_allclose(kernel(q, k, v, se, seg), ref(q, k, v, se, seg),
+                             atol=2e-5, rtol=1e-5)
+
+
+def test_tile_classes_are_sound_and_skip_branches():
+  """live covers every tile with a visible entry, full tiles are entirely
+  visible, and sibling branches are skipped (fewer live tiles than causal)."""
+  # A GRPO-shaped tree: prompt of 40 tokens, 4 responses of 22.
+  T, bq, bk = 128, 16, 8
+  se = np.full(T, T, np.int32)
+  starts = 40 + 22 * np.arange(4)
+  for a in starts:
+    se[a:a + 22] = a + 22
+  seg = np.ones(T, np.int32)
+  live, full = ta.block_classes(jnp.asarray(se[None]), jnp.asarray(seg[None]),
+                                bq, bk)
+  mask = np.asarray(ta.tree_mask(jnp.asarray(se[None]),
+                                 jnp.asarray(seg[None])))[0]
+  tiles = mask.reshape(T // bq, bq, T // bk, bk).transpose(0, 2, 1, 3)
+  any_t, all_t = tiles.any((2, 3)), tiles.all((2, 3))
+  live, full = np.asarray(live[0]), np.asarray(full[0])
+  assert np.all(live[any_t]) and np.all(all_t[full])
+  assert full.any() and (live & ~full).any()
+  causal_tiles = sum(1 for a in range(T // bq) for c in range(T // bk)
+                     if c * bk <= a * bq + bq - 1)
+  assert live.sum() < causal_tiles
+  lists, counts = ta.block_lists(jnp.asarray(live), jnp.asarray(full))
+  for row in range(T // bq):
+    n_full, n_part = np.asarray(counts[row])
+    got = np.asarray(lists[row])
+    assert set(got[:n_full]) == set(np.nonzero(full[row])[0])
+    assert set(got[n_full:n_full + n_part]) == set(
+        np.nonzero(live[row] & ~full[row])[0])
+
+
+def test_live_entries_counts_visible_pairs():
+  rng = np.random.default_rng(3)
+  se, seg = random_forest(rng, 40)
+  mask = np.asarray(ta.tree_mask(jnp.asarray(se[None]),
+                                 jnp.asarray(seg[None])))
+  assert ta.live_entries(se[None])[0] == mask.sum()
