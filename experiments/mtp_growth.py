@@ -1,6 +1,7 @@
 """MTP growth K=1 -> K=3: copy-from-main-model init vs random init.
 
   python -m experiments.mtp_growth --preset=tiny --workdir=runs/mtp_growth
+  python -m experiments.mtp_growth --preset=m2_small --mesh=data=2,expert=2
 
 1. pretrain with one MTP module (or reuse WORKDIR/base if it is there);
 2. for each init in --inits: grow to --depth modules, train MTP only (main
@@ -17,6 +18,7 @@ import os
 from absl import app, flags, logging
 
 from m2jax import config as config_lib
+from m2jax import sharding
 from m2jax.data import DataConfig
 from m2jax.train import mtp_growth
 
@@ -38,10 +40,13 @@ flags.DEFINE_float("settle_tol", 0.01, "Relative EMA improvement that counts "
 flags.DEFINE_integer("joint_steps", 100, "Joint-training steps after settling.")
 flags.DEFINE_integer("seed", 0, "Seed.")
 
+sharding.define_flags()  # --mesh, --moe_capacity_factor, multi-host
+
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  mesh, expert_options = sharding.from_flags()
   model_config = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override)
   data_config = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
@@ -52,7 +57,7 @@ def main(argv):
       mtp_only_max_steps=FLAGS.mtp_only_max_steps,
       joint_steps=FLAGS.joint_steps, learning_rate=FLAGS.learning_rate,
       settle=mtp_growth.Plateau(FLAGS.settle_window, FLAGS.settle_tol),
-      seed=FLAGS.seed)
+      seed=FLAGS.seed, mesh=mesh, expert_options=expert_options)
   path = os.path.join(FLAGS.workdir, "mtp_growth.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=2)

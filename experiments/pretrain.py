@@ -4,6 +4,8 @@
   python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
   python -m experiments.pretrain --preset=m2_small --data=/path/*.jsonl \
       --seq_len=2048 --batch_size=16 --override=gmm_backend=pallas
+  python -m experiments.pretrain --preset=m2_small --mesh=expert=4 \
+      --seq_len=2048 --batch_size=32          # 4 GPUs, expert parallel
 
 All logic is in m2jax.train.loop; this file only turns flags into configs.
 """
@@ -13,6 +15,7 @@ import json
 from absl import app, flags, logging
 
 from m2jax import config as config_lib
+from m2jax import sharding
 from m2jax.data import DataConfig
 from m2jax.train.config import TrainConfig, parse_context_schedule
 from m2jax.train.loop import pretrain
@@ -57,10 +60,13 @@ flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
 flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 
+sharding.define_flags()  # --mesh, --moe_capacity_factor, multi-host
+
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
+  mesh, expert_options = sharding.from_flags()
   model_config = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override)
   data_config = DataConfig(
@@ -80,7 +86,8 @@ def main(argv):
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints)
   summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,
-                     resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens)
+                     resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens,
+                     mesh=mesh, expert_options=expert_options)
   sample = summary.pop("sample", None)
   summary.pop("state", None)
   print(json.dumps(summary, indent=2))

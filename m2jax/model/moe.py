@@ -8,7 +8,15 @@ and bf16 rounding would change the choice):
 
 Dispatch: every (token, choice) pair is sorted by expert, the experts run as
 three grouped matmuls (`kernels.gmm`), and the outputs are unsorted and
-combined with the weights in float32. No token is ever dropped.
+combined with the weights in float32. No token is ever dropped (unless an
+expert-parallel capacity factor is set, see below).
+
+Under a mesh with an "expert" axis (m2jax.sharding.use_mesh) the dispatch,
+experts and combine run inside `jax.shard_map`: tokens travel to the devices
+that own their experts and back (m2jax.model.expert_parallel), each expert's
+FFN dimension is split over "tensor"; a capacity factor
+(expert_parallel.Options) bounds the receive buffer and counts what it
+drops in RoutingStats.dropped. Without a mesh nothing changes.
 
 The expert bias lives in the non-trainable collection "expert_bias"; it is
 updated outside the gradient by `update_expert_bias` from the per-expert
@@ -17,14 +25,18 @@ load the model returns (DeepSeek-V3's aux-loss-free balancing).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kernels.gmm import gmm
 from m2jax.config import ModelConfig
+from m2jax.model import expert_parallel
+from m2jax.model.expert_parallel import EXPERT_AXIS, TENSOR_AXIS
 from m2jax.model.layers import constrain, dtype_of, param_init
 
 EXPERT_BIAS = "expert_bias"
@@ -58,9 +70,13 @@ class RoutingStats(NamedTuple):
   load_E: jax.Array       # number of (token, choice) pairs per expert
   aux_loss: jax.Array     # sequence-level balance loss (unscaled)
   entropy: jax.Array      # mean entropy of the normalised gate scores
+  # (token, choice) pairs that found no room in an expert-parallel capacity
+  # buffer (int32, all devices); 0 unless a capacity factor is set.
+  dropped: jax.Array = 0
 
 
-def routing_stats(routing: Routing, valid_BxT, num_experts: int) -> RoutingStats:
+def routing_stats(routing: Routing, valid_BxT, num_experts: int,
+                  dropped=None) -> RoutingStats:
   """Load per expert, the sequence-level aux loss and the router entropy.
 
   aux loss (DeepSeek-V3, per sequence, averaged over the batch):
@@ -85,7 +101,8 @@ def routing_stats(routing: Routing, valid_BxT, num_experts: int) -> RoutingStats
 
   ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
   entropy = jnp.sum(ent * valid.reshape(-1)) / jnp.maximum(valid.sum(), 1.0)
-  return RoutingStats(load, aux, entropy)
+  dropped = jnp.zeros((), jnp.int32) if dropped is None else dropped
+  return RoutingStats(load, aux, entropy, dropped)
 
 
 def update_expert_bias(bias, load, rate: float):
@@ -116,7 +133,7 @@ def combine(y_sorted, routing: Routing, order):
   """Undo the sort and sum each token's K expert outputs, weighted, in f32."""
   T, K = routing.experts_TxK.shape
   inverse = jnp.argsort(order)
-  y_TxKxD = jnp.take(y_sorted, inverse, axis=0).reshape(T, K, -1)
+  y_TxKxD = expert_parallel.permute(y_sorted, inverse).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32),
                     routing.weights_TxK)
 
@@ -131,6 +148,90 @@ def swiglu_experts(x_sorted, group_sizes, w1, w3, w2, *, backend: str):
   h = (jax.nn.silu(h1) * h3).astype(cdt)
   return gmm(h, w2.astype(cdt), group_sizes,
              preferred_element_type=jnp.float32, backend=backend)
+
+
+def _token_axes(mesh) -> tuple[str, ...]:
+  """Mesh axes the logical rules give MoE tokens ("act_tokens")."""
+  spec = nn.logical_to_mesh_axes(("act_tokens",))
+  axes = spec[0] if spec is not None and len(spec) else None
+  axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return tuple(a for a in axes if a in mesh.axis_names)
+
+
+def _expert_mesh(num_tokens: int):
+  """(mesh, token axes) for the expert-parallel path, or None.
+
+  None without a mesh that has an "expert" axis, and when the tokens do not
+  split evenly over the token axes (e.g. one-row sampling), where the plain
+  path runs and XLA partitions it.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+    return None
+  axes = _token_axes(mesh)
+  if EXPERT_AXIS not in axes:
+    raise ValueError(
+        f"the logical rules must shard 'act_tokens' over the '{EXPERT_AXIS}' "
+        f"mesh axis for expert parallelism; they give {axes}")
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if num_tokens % shards:
+    return None
+  return mesh, axes
+
+
+def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
+                    backend: str, opts: expert_parallel.Options | None = None):
+  """Dispatch, experts and combine, sharded over `mesh` (see module doc).
+
+  x_TxD and routing are global arrays split over `token_axes`; w1/w3
+  [E, D, F], w2 [E, F, D]. Returns (y [T, D] float32, dropped int32).
+  """
+  opts = opts or expert_parallel.current_options()
+  n_ep = mesh.shape[EXPERT_AXIS]
+  n_tp = mesh.shape.get(TENSOR_AXIS, 1)
+  E, _, F = w1.shape
+  K = routing.experts_TxK.shape[1]
+  if E % n_ep or F % n_tp:
+    raise ValueError(
+        f"expert parallelism needs num_experts={E} divisible by the "
+        f"'{EXPERT_AXIS}' axis ({n_ep}) and moe_intermediate_size={F} by "
+        f"the '{TENSOR_AXIS}' axis ({n_tp})")
+  impl = expert_parallel.resolve_impl(opts.all_to_all)
+
+  def chunk(x, experts, weights, w1, w3, w2):
+    local = Routing(None, experts, weights)
+    x_sorted, sizes_E, order = dispatch(x, local, E)
+    run = lambda rows, sizes: swiglu_experts(rows, sizes, w1, w3, w2,
+                                             backend=backend)
+    if n_ep == 1:
+      y_sorted, dropped = run(x_sorted, sizes_E), jnp.zeros((), jnp.int32)
+    else:
+      y_sorted, dropped = expert_parallel.exchange(
+          x_sorted, sizes_E, run, top_k=K,
+          capacity_factor=opts.capacity_factor, impl=impl)
+    return combine(y_sorted, local, order), dropped
+
+  def body(x, experts, weights, w1, w3, w2):
+    c = opts.chunks if x.shape[0] % opts.chunks == 0 else 1
+    parts = [chunk(*(a.reshape(c, -1, *a.shape[1:])[i]
+                     for a in (x, experts, weights)), w1, w3, w2)
+             for i in range(c)]
+    y = jnp.concatenate([p[0] for p in parts]) if c > 1 else parts[0][0]
+    dropped = sum(p[1] for p in parts)
+    if n_tp > 1:  # each device holds F / n_tp of every expert's FFN
+      y = jax.lax.psum(y, TENSOR_AXIS)
+    return y, jax.lax.psum(dropped, token_axes)
+
+  tokens = P(token_axes)
+  w_in = P(EXPERT_AXIS, None, TENSOR_AXIS if n_tp > 1 else None)
+  w_out = P(EXPERT_AXIS, TENSOR_AXIS if n_tp > 1 else None, None)
+  # check_vma=False: the Pallas grouped matmul's custom VJP (kernels/gmm.py)
+  # returns cotangents without varying-axis types, which the check rejects.
+  # The psums above are written out, so the types carry nothing needed.
+  return jax.shard_map(
+      body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+      out_specs=(tokens, P()), check_vma=False)(x_TxD, routing.experts_TxK,
+                               routing.weights_TxK, w1, w3, w2)
 
 
 class MoE(nn.Module):
@@ -160,12 +261,20 @@ class MoE(nn.Module):
     x_TxD = x_BxTxD.reshape(B * T, D)
     routing = route(x_TxD, router, bias, top_k=cfg.num_experts_per_tok,
                     gating=cfg.gating, scaling=cfg.routed_scaling_factor)
-    x_sorted, group_sizes, order = dispatch(x_TxD.astype(cdt), routing, E)
-    x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
-    y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
-                              backend=cfg.gmm_backend)
-    y = combine(y_sorted, routing, order).astype(cdt).reshape(B, T, D)
-    stats = routing_stats(routing, valid_BxT, E)
+    sharded = _expert_mesh(B * T)
+    if sharded is None:
+      x_sorted, group_sizes, order = dispatch(x_TxD.astype(cdt), routing, E)
+      x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
+      y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
+                                backend=cfg.gmm_backend)
+      y, dropped = combine(y_sorted, routing, order), None
+    else:
+      mesh, axes = sharded
+      y, dropped = sharded_experts(x_TxD.astype(cdt), routing, w1, w3, w2,
+                                   mesh=mesh, token_axes=axes,
+                                   backend=cfg.gmm_backend)
+    y = y.astype(cdt).reshape(B, T, D)
+    stats = routing_stats(routing, valid_BxT, E, dropped)
     return constrain(y, ("act_batch", "act_length", "act_embed")), stats
 
 

@@ -10,6 +10,12 @@ lives in WORKDIR:
   sample.txt         a greedy sample from the final model
 Resuming restores the newest complete checkpoint (state and data position)
 and continues exactly: losses and parameters equal an uninterrupted run.
+
+With `mesh` (m2jax.sharding) the state lives sharded, batches are split over
+data x fsdp x expert and the MoE runs expert-parallel; checkpoints are saved
+and restored sharded (onto whatever mesh the resuming run uses). In a
+multi-host run every process runs this loop on the same global batches;
+process 0 alone writes config.json, metrics and the sample.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from m2jax import model
 from m2jax import params as params_lib
+from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig
 from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
 from m2jax.infer import sample
@@ -36,13 +42,13 @@ from m2jax.train.metrics import MetricsWriter, peak_flops
 
 
 def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
-             max_batches: int) -> dict:
+             max_batches: int, mesh=None) -> dict:
   """Validation loss in nats per token and bits per byte."""
   nats = tokens = nbytes = 0.0
   for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation")):
     if i >= max_batches:
       break
-    out = eval_fn(state, _device_batch(batch))
+    out = eval_fn(state, _device_batch(batch, mesh))
     nats += float(out["nats"])
     tokens += float(out["tokens"])
     nbytes += float(out["bytes"])
@@ -71,8 +77,20 @@ def _stage_at(stages, step: int) -> int:
   return max(i for i, (first, _) in enumerate(stages) if first <= step)
 
 
-def _device_batch(batch):
+def _device_batch(batch, mesh=None):
+  if mesh is not None:
+    return sharding.shard_batch(batch, mesh)
   return {k: np.asarray(v) for k, v in batch.items()}
+
+
+class _NoWriter:
+  """What processes other than 0 log to."""
+
+  def write(self, step, scalars):
+    del step, scalars
+
+  def close(self):
+    pass
 
 
 def _write_configs(workdir, mcfg, tcfg, dcfg):
@@ -89,15 +107,19 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig, workdir: str, *, resume: bool = False,
              sample_prompt: str = "def ", sample_tokens: int = 64,
              stop_after: int | None = None, progress: bool = True,
-             init_variables=None, should_stop=None) -> dict:
+             init_variables=None, should_stop=None, mesh=None,
+             expert_options=None) -> dict:
   """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
 
   `stop_after` ends the loop early at that step (with a checkpoint); `init_variables` starts from given variables instead of a fresh
   init (MTP growth); their buffers are donated to the first step.
   `should_stop(step, metrics)` is asked at every logged step; True saves a
   checkpoint and ends the run there (e.g. once a loss has settled).
+  `mesh` shards the run (m2jax.sharding.make_mesh); `expert_options`
+  (m2jax.model.expert_parallel.Options) tunes its expert-parallel MoE.
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
+  primary = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
   if tokenizer.vocab_size > mcfg.vocab_size:
@@ -112,10 +134,11 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
         f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "
         "--resume to continue it or choose another --workdir")
 
-  variables = init_variables
-  if variables is None:
-    variables = model.init(mcfg, jax.random.key(tcfg.seed))
-  state = step_lib.init_state(tcfg, variables)
+  stages = _stages(mcfg, tcfg, dcfg)
+  if mesh is not None:
+    for _, cfg in stages:
+      sharding.check_mesh(mcfg, mesh, cfg.batch_size)
+  state = step_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
   data_state = None
   start = 0
   if resume and checkpointer.steps():
@@ -126,17 +149,19 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
     ckpt_lib.check_same_config(meta["model"], mcfg, "model config")
     ckpt_lib.check_same_config(meta["data"], dcfg, "data config")
     print(f"resumed from step {start} in {checkpointer.directory}")
-  _write_configs(workdir, mcfg, tcfg, dcfg)
+  if primary:
+    _write_configs(workdir, mcfg, tcfg, dcfg)
 
-  stages = _stages(mcfg, tcfg, dcfg)
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
   if data_state is not None and data_state.get("stage") != stage:
     data_state = None  # the checkpoint closed the previous stage
   train_it = make_iterator(sdcfg, tokenizer, "train",
                            state=data_state and data_state["iterator"])
-  train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg)
-  writer = MetricsWriter(workdir, resume_step=start if resume else None)
+  train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh,
+                                         expert_options=expert_options)
+  writer = (MetricsWriter(workdir, resume_step=start if resume else None)
+            if primary else _NoWriter())
   meta = {"model": ckpt_lib.config_dict(mcfg),
           "train": ckpt_lib.config_dict(tcfg),
           "data": ckpt_lib.config_dict(dcfg)}
@@ -145,7 +170,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
 
   summary = {}
-  bar = tqdm(total=tcfg.steps, initial=start, disable=not progress,
+  bar = tqdm(total=tcfg.steps, initial=start, disable=not (progress and primary),
              desc="pretrain", unit="step", dynamic_ncols=True)
   tick, tick_tokens = time.perf_counter(), 0
   for step in range(start, end):
@@ -157,7 +182,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
       bar.write(f"step {step}: context stage {stage}, seq_len "
                 f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
     batch = next(train_it)
-    state, metrics = train_fn(state, _device_batch(batch))
+    state, metrics = train_fn(state, _device_batch(batch, mesh))
     tick_tokens += sdcfg.batch_size * sdcfg.seq_len
     done = step + 1
     if done % tcfg.log_every == 0 or done == end:
@@ -176,7 +201,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{tps:,.0f}")
       tick, tick_tokens = time.perf_counter(), 0
     if done % tcfg.eval_every == 0 or done == tcfg.steps:
-      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches)
+      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
       writer.write(done, ev)
       summary.update(ev)
       bar.write(f"step {done}: val_loss {ev['val_loss']:.4f} nats/token, "
@@ -199,7 +224,9 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
     ids = sample.greedy(mcfg, step_lib.variables_of(state), prompt,
                         sample_tokens)
     text = tokenizer.decode(np.asarray(ids))
-    with open(os.path.join(workdir, "sample.txt"), "w", encoding="utf-8") as f:
-      f.write(text)
+    if primary:
+      with open(os.path.join(workdir, "sample.txt"), "w",
+                encoding="utf-8") as f:
+        f.write(text)
     summary["sample"] = text
   return summary

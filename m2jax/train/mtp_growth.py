@@ -131,8 +131,11 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
                    base_steps: int, depth: int, inits=INITS,
                    mtp_only_max_steps: int, joint_steps: int,
                    learning_rate: float, settle: Plateau, seed: int = 0,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, mesh=None,
+                   expert_options=None) -> dict:
   """Pretrain K=1, then grow to `depth` with each init; see the experiment.
+
+  `mesh` / `expert_options` shard every training phase (m2jax.sharding).
 
   Every reported number is measured on the validation split: main CE, MTP
   CE per depth and acceptance per depth (depth k's argmax equals the main
@@ -149,11 +152,12 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
   base_config = model_config.replace(num_mtp_modules=1)
   common = dict(learning_rate=learning_rate, seed=seed, log_every=1,
                 eval_every=10**9, warmup_steps=10, checkpoint_every=10**9)
+  sharded = dict(mesh=mesh, expert_options=expert_options)
   base_dir = os.path.join(workdir, "base")
   base = pretrain(base_config,
                   TrainConfig(steps=base_steps, mtp_depth=1, **common),
                   data_config, base_dir, resume=True, progress=progress,
-                  sample_tokens=0)
+                  sample_tokens=0, **sharded)
   base_vars = jax.tree.map(np.array, step_lib.variables_of(base["state"]))
   tokenizer = make_tokenizer(data_config, os.path.join(base_dir, "tokenizer"))
   held_out = lambda cfg, v, d: evaluate_mtp(cfg, v, data_config, tokenizer,
@@ -173,7 +177,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
         cfg, TrainConfig(steps=mtp_only_max_steps, mtp_depth=depth,
                          mtp_only=True, decay_fraction=0.0, **common),
         data_config, a_dir, resume=False, progress=progress, sample_tokens=0,
-        init_variables=variables,
+        init_variables=variables, **sharded,
         should_stop=lambda step, m, p=plateau: p.update(float(m["mtp/ce"])))
     a_vars = jax.tree.map(np.array, step_lib.variables_of(phase_a["state"]))
     after_a = held_out(cfg, a_vars, depth)
@@ -182,7 +186,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
     phase_b = pretrain(
         cfg, TrainConfig(steps=joint_steps, mtp_depth=depth, **common),
         data_config, b_dir, resume=False, progress=progress, sample_tokens=0,
-        init_variables=a_vars)
+        init_variables=a_vars, **sharded)
     results["runs"][init] = {
         "mtp_only_steps": phase_a["step"],
         "settled": phase_a["step"] < mtp_only_max_steps,

@@ -3,6 +3,10 @@
 State is passed in and returned: parameters, optimizer state, the expert
 bias (updated outside the gradient from the step's routing load) and the
 step counter. Parameters stay float32; the model casts to its compute dtype.
+
+With a mesh (m2jax.sharding) the same step functions are jitted with the
+state's and batch's shardings and traced under the mesh's logical rules, so
+XLA partitions them and the MoE runs expert-parallel.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from m2jax import model
+from m2jax import sharding
 from m2jax.config import ModelConfig
 from m2jax.data.packing import next_token_targets
 from m2jax.train import losses, schedules
@@ -35,6 +40,29 @@ def init_state(train_config: TrainConfig, variables) -> TrainState:
   return TrainState(jnp.zeros((), jnp.int32), variables["params"],
                     opt.init(variables["params"]),
                     variables.get(model.EXPERT_BIAS, {}))
+
+
+def create_state(model_config: ModelConfig, train_config: TrainConfig,
+                 variables=None, *, mesh=None) -> TrainState:
+  """Step-0 state from `variables` (default: a fresh init from the seed).
+
+  With a mesh every leaf is created directly in its sharding (a fresh init
+  never exists whole on one device).
+  """
+  if mesh is None:
+    if variables is None:
+      variables = model.init(model_config, jax.random.key(train_config.seed))
+    return init_state(train_config, variables)
+  shardings = sharding.state_shardings(model_config, train_config, mesh)
+  if variables is None:
+    make = jax.jit(lambda key: init_state(train_config,
+                                          model.init(model_config, key)),
+                   out_shardings=shardings)
+    return make(jax.random.key(train_config.seed))
+  variables = sharding.place(
+      variables, sharding.variable_shardings(model_config, mesh))
+  return jax.jit(functools.partial(init_state, train_config),
+                 out_shardings=shardings)(variables)
 
 
 def variables_of(state: TrainState) -> dict:
@@ -72,8 +100,16 @@ def train_step(state: TrainState, batch, *, model_config: ModelConfig,
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
+  if train_config.mtp_only:  # the frozen main model keeps its routing too
+    bias = {k: (v if k.startswith("mtp_") else state.expert_bias[k])
+            for k, v in bias.items()}
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                  lr=schedules.learning_rate(train_config)(state.step))
+  if out.routing is not None:
+    dropped = jnp.sum(out.routing.dropped)
+    if out.mtp_routing is not None:
+      dropped = dropped + jnp.sum(out.mtp_routing.dropped)
+    metrics["moe/dropped"] = dropped
   return TrainState(state.step + 1, params, opt_state, bias), metrics
 
 
@@ -90,11 +126,26 @@ def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
           "bytes": jnp.sum(batch["num_bytes"])}
 
 
-def jit_steps(model_config: ModelConfig, train_config: TrainConfig):
-  """Jitted (train_step, eval_step) closed over the configs."""
-  train = jax.jit(functools.partial(train_step, model_config=model_config,
-                                    train_config=train_config),
-                  donate_argnums=0)
-  evaluate = jax.jit(functools.partial(eval_step, model_config=model_config,
-                                       train_config=train_config))
-  return train, evaluate
+def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
+              mesh=None, expert_options=None):
+  """Jitted (train_step, eval_step) closed over the configs.
+
+  With `mesh`: state and batch go in (and the state comes out) in the
+  shardings of m2jax.sharding, metrics come out replicated, and tracing runs
+  under `sharding.use_mesh(mesh, expert_options=...)`. Batches are global
+  arrays (`sharding.shard_batch`) or host arrays (single process).
+  """
+  train = functools.partial(train_step, model_config=model_config,
+                            train_config=train_config)
+  evaluate = functools.partial(eval_step, model_config=model_config,
+                               train_config=train_config)
+  if mesh is None:
+    return jax.jit(train, donate_argnums=0), jax.jit(evaluate)
+  state = sharding.state_shardings(model_config, train_config, mesh)
+  batch, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  train = jax.jit(train, in_shardings=(state, batch),
+                  out_shardings=(state, rep), donate_argnums=0)
+  evaluate = jax.jit(evaluate, in_shardings=(state, batch),
+                     out_shardings=rep)
+  return (sharding.on_mesh(train, mesh, expert_options),
+          sharding.on_mesh(evaluate, mesh, expert_options))

@@ -1,0 +1,309 @@
+"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
+
+  NCCL_NVLS_ENABLE=0 python -m experiments.bench_scaling --preset=m2_small \
+      --gpus=1,2,4 --out=benchmarks/results/scaling.json
+
+The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
+random tokens with the mesh expert=n (n = 1: the plain single-device path,
+no mesh), AdamW, MTP depth 1, exactly the jitted step of m2jax.train.step.
+Runs go one at a time (baseline, largest count, the rest): compile the
+sharded init and step, train warmup + timed steps, append to the JSON.
+Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
+
+Also measured, for the analysis: the exchange checked on the GPUs against
+one device (a small model, ragged_all_to_all, float32 and bf16 Pallas
+kernels), and one ragged all-to-all of a layer's rows timed alone.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from m2jax import config as config_lib
+from m2jax import model, sharding
+from m2jax import params as params_lib
+from m2jax.model import expert_parallel
+from m2jax.train import step as step_lib
+from m2jax.train.config import TrainConfig
+from m2jax.train.metrics import peak_flops
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "m2_small", "Model preset.")
+flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
+flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
+flags.DEFINE_list("compare", ["data"], "Extra layouts at the largest count "
+                  "(data: experts replicated, pure data parallel).")
+flags.DEFINE_integer("chunks", 2, "Also run the largest count with each "
+                     "device's tokens split into this many exchanges (0: no).")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+flags.DEFINE_integer("batch_per_gpu", 8, "Rows per GPU per step.")
+flags.DEFINE_integer("steps", 10, "Timed steps.")
+flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
+flags.DEFINE_float("capacity_factor", 1.5, "Expert-parallel buffer in "
+                   "multiples of the average rows (0 = worst case, which is "
+                   "n x the average at m2_small: too much memory at n=4).")
+flags.DEFINE_bool("checks", True, "Run the GPU correctness check and the "
+                  "all-to-all timing.")
+flags.DEFINE_string("out", "benchmarks/results/scaling.json", "JSON output.")
+flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
+                     "many seconds (the JSON keeps what finished).")
+
+
+def _write(result):
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+  with open(FLAGS.out, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=2)
+
+
+def _runs():
+  counts = [int(g) for g in FLAGS.gpus]
+  # The baseline and the largest count first: the efficiency that matters.
+  counts = sorted(counts, key=lambda c: (c != min(counts), c != max(counts)))
+  runs = [dict(name=f"expert={n}" if n > 1 else "1 GPU, no mesh", n=n,
+               mesh=f"expert={n}" if n > 1 else None) for n in counts]
+  n = max(counts)
+  if FLAGS.chunks > 1 and n > 1:
+    runs.append(dict(name=f"expert={n},chunks={FLAGS.chunks}", n=n,
+                     mesh=f"expert={n}", chunks=FLAGS.chunks))
+  for layout in FLAGS.compare:
+    runs.append(dict(name=f"{layout}={n}", n=n, mesh=f"{layout}={n}"))
+  return runs
+
+
+def _batch(rows, seq_len, vocab, seed):
+  rng = np.random.default_rng(seed)
+  return {"tokens": rng.integers(0, vocab, (rows, seq_len), dtype=np.int32),
+          "segment_ids": np.ones((rows, seq_len), np.int32),
+          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32),
+                                       (rows, seq_len)).copy(),
+          "num_bytes": np.full((rows,), seq_len, np.int32)}
+
+
+def _prepare(run, mcfg, tcfg, opts):
+  """Compile the init and train step of one run (called in a thread)."""
+  t = time.time()
+  devices = jax.devices()[:run["n"]]
+  mesh = sharding.make_mesh(run["mesh"], devices) if run["mesh"] else None
+  rows = run["n"] * FLAGS.batch_per_gpu
+  init = lambda key: step_lib.init_state(tcfg, model.init(mcfg, key))
+  key = jax.random.key(tcfg.seed)
+  abstract = jax.eval_shape(init, key)
+  batch = {k: jax.ShapeDtypeStruct((rows, FLAGS.seq_len), jnp.int32)
+           for k in ("tokens", "segment_ids", "positions")}
+  batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
+  opts = dataclasses.replace(opts, chunks=run.get("chunks", 1))
+  train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh, expert_options=opts)
+  if mesh is None:
+    dev = jax.sharding.SingleDeviceSharding(devices[0])
+    shard = lambda tree: jax.tree.map(lambda _: dev, tree)
+    init_c = jax.jit(init, out_shardings=shard(abstract))
+  else:
+    sharding.check_mesh(mcfg, mesh, rows)
+    state_sh = sharding.state_shardings(mcfg, tcfg, mesh)
+    init_c = jax.jit(init, out_shardings=state_sh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract, state_sh)
+    bs = sharding.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs)
+             for k, v in batch.items()}
+  init_c = init_c.lower(key).compile()
+  train_c = train.lower(abstract, batch).compile()
+  mem = train_c.memory_analysis()
+  return dict(mesh=mesh, init=init_c, train=train_c, key=key,
+              compile_s=round(time.time() - t, 1),
+              temp_gib=round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 2),
+              args_gib=round(getattr(mem, "argument_size_in_bytes", 0)
+                             / 2**30, 2))
+
+
+def _measure(run, prep, mcfg):
+  rows = run["n"] * FLAGS.batch_per_gpu
+  batches = [_batch(rows, FLAGS.seq_len, mcfg.vocab_size, s) for s in (1, 2)]
+  if prep["mesh"] is not None:
+    batches = [sharding.shard_batch(b, prep["mesh"]) for b in batches]
+  else:
+    batches = [jax.device_put(b, jax.devices()[0]) for b in batches]
+  state = prep["init"](prep["key"])
+  losses = []
+  for i in range(FLAGS.warmup):
+    state, m = prep["train"](state, batches[i % 2])
+    losses.append(float(m["loss"]))
+  jax.block_until_ready(state)
+  t = time.perf_counter()
+  for i in range(FLAGS.steps):
+    state, m = prep["train"](state, batches[i % 2])
+  jax.block_until_ready((state, m))
+  elapsed = time.perf_counter() - t
+  tokens = FLAGS.steps * rows * FLAGS.seq_len
+  tps = tokens / elapsed
+  flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len)
+  peak = peak_flops() or float("nan")
+  out = dict(step_ms=round(1e3 * elapsed / FLAGS.steps, 1),
+             tokens_per_s=round(tps), tokens_per_s_per_gpu=round(tps / run["n"]),
+             mfu=round(tps / run["n"] * flops / peak, 4),
+             loss_first=round(losses[0], 4), loss_last=float(m["loss"]),
+             dropped_last_step=float(m["moe/dropped"]))
+  del state, m
+  return out
+
+
+def _check_exchange(n):
+  """Sharded (expert=n, ragged_all_to_all) vs one device, small model."""
+  out = {}
+  for name, over in (("float32_xla", dict(compute_dtype="float32")),
+                     ("bf16_pallas", dict(compute_dtype="bfloat16",
+                                          hidden_size=256,
+                                          moe_intermediate_size=256))):
+    cfg = config_lib.TINY.replace(num_layers=1, num_experts=8,
+                                  attention_impl="xla", **over)
+    variables = model.init(cfg, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(
+        0, cfg.vocab_size, (2 * n, 64), dtype=np.int32))
+
+    def loss_fn(v, t):
+      out_ = model.forward(cfg, v, t, mtp_depth=1)
+      return (out_.logits.astype(jnp.float32) ** 2).mean(), out_.routing.load_E
+
+    fn = lambda: jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    (ref, ref_load), ref_g = fn()(variables, tokens)
+    mesh = sharding.make_mesh(f"expert={n}", jax.devices()[:n])
+    placed = sharding.place(variables, sharding.variable_shardings(cfg, mesh))
+    with sharding.use_mesh(mesh, expert_options=expert_parallel.Options(
+        all_to_all="ragged")):
+      (got, load), g = fn()(placed, sharding.shard_batch(
+          {"t": tokens}, mesh)["t"])
+    rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32))
+                    / (jnp.linalg.norm(a.astype(jnp.float32)) + 1e-30))
+              for a, b in zip(jax.tree.leaves(ref_g), jax.tree.leaves(g)))
+    out[name] = dict(loss_rel_err=abs(float(got) - float(ref)) / abs(float(ref)),
+                     grad_max_rel_err=rel,
+                     load_equal=bool((np.asarray(load) == np.asarray(ref_load))
+                                     .all()))
+  return out
+
+
+def _time_all_to_all(n, rows, width):
+  """One ragged all-to-all of `rows` bf16 rows of `width` per GPU, split
+  evenly over n GPUs (a MoE layer's dispatch at m2_small sizes)."""
+  mesh = sharding.make_mesh(f"expert={n}", jax.devices()[:n])
+  part = rows // n
+
+  def body(x):
+    me = jax.lax.axis_index("expert")
+    sizes = jnp.full((n,), part, jnp.int32)
+    offsets = jnp.arange(n, dtype=jnp.int32) * part
+    return jax.lax.ragged_all_to_all(
+        x, jnp.zeros_like(x), offsets, sizes,
+        jnp.full((n,), me * part, jnp.int32), sizes, axis_name="expert")
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"),
+                             out_specs=P("expert")))
+  x = jax.device_put(jnp.ones((n * rows, width), jnp.bfloat16),
+                     jax.sharding.NamedSharding(mesh, P("expert")))
+  for _ in range(3):
+    y = fn(x)
+  y.block_until_ready()
+  times = []
+  for _ in range(20):
+    t = time.perf_counter()
+    fn(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  ms = 1e3 * statistics.median(times)
+  moved = rows * width * 2 * (n - 1) / n
+  return dict(rows=rows, width=width, ms=round(ms, 3),
+              gb_per_s_per_gpu=round(moved / ms / 1e6, 1))
+
+
+def main(argv):
+  del argv
+  mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
+                                    FLAGS.override)
+  tcfg = TrainConfig(steps=1000, warmup_steps=10, mtp_depth=1,
+                     learning_rate=3e-4)
+  opts = expert_parallel.Options(capacity_factor=FLAGS.capacity_factor)
+  runs = _runs()
+  dev = jax.devices()[0]
+  result = dict(
+      what="weak scaling, expert parallel pretraining (random tokens)",
+      device=dev.device_kind, device_count=jax.device_count(),
+      jax=jax.__version__, preset=FLAGS.preset, override=FLAGS.override,
+      seq_len=FLAGS.seq_len, batch_per_gpu=FLAGS.batch_per_gpu,
+      tokens_per_gpu_per_step=FLAGS.seq_len * FLAGS.batch_per_gpu,
+      capacity_factor=FLAGS.capacity_factor, steps=FLAGS.steps,
+      warmup=FLAGS.warmup, optimizer=tcfg.optimizer, mtp_depth=tcfg.mtp_depth,
+      nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
+  t0 = time.time()
+  _write(result)
+  base = None
+  for r in runs:  # one at a time: compile, measure, write
+    rec = dict(r)
+    if time.time() - t0 > FLAGS.time_budget_s:
+      rec["error"] = "skipped: --time_budget_s spent"
+    else:
+      try:
+        prep = _prepare(r, mcfg, tcfg, opts)
+        rec.update(compile_s=prep["compile_s"], temp_gib=prep["temp_gib"],
+                   args_gib=prep["args_gib"])
+        print(f"{r['name']}: compiled in {prep['compile_s']} s", flush=True)
+        rec.update(_measure(r, prep, mcfg))
+        prep.clear()
+      except Exception as e:  # pylint: disable=broad-except
+        rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    if rec.get("n") == 1 and "tokens_per_s_per_gpu" in rec:
+      base = rec["tokens_per_s_per_gpu"]
+    if base and "tokens_per_s_per_gpu" in rec:
+      rec["weak_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"]
+                                             / base, 3)
+    result["runs"].append(rec)
+    _write(result)
+    print(json.dumps(rec), flush=True)
+
+  if FLAGS.checks and jax.device_count() > 1:
+    try:
+      result["exchange_check"] = _check_exchange(max(r["n"] for r in runs))
+    except Exception as e:  # pylint: disable=broad-except
+      result["exchange_check"] = f"{type(e).__name__}: {str(e)[:400]}"
+    _write(result)
+  if FLAGS.checks and jax.device_count() > 1:
+    n = max(r["n"] for r in runs)
+    rows = FLAGS.batch_per_gpu * FLAGS.seq_len * mcfg.num_experts_per_tok
+    try:
+      result["all_to_all"] = _time_all_to_all(n, rows, mcfg.hidden_size)
+      # Forward: dispatch + return; backward: the same two again.
+      layers = mcfg.num_layers + 1  # + the MTP block
+      result["all_to_all"]["per_step_ms_estimate"] = round(
+          4 * layers * result["all_to_all"]["ms"], 1)
+    except Exception as e:  # pylint: disable=broad-except
+      result["all_to_all"] = f"{type(e).__name__}: {str(e)[:400]}"
+  result["total_s"] = round(time.time() - t0, 1)
+  _write(result)
+
+  print(f"\n{result['device']} x{result['device_count']}, {FLAGS.preset}, "
+        f"{result['tokens_per_gpu_per_step']} tokens/GPU/step")
+  print(f"{'run':>18} {'GPUs':>4} {'step ms':>8} {'tok/s/GPU':>10} "
+        f"{'eff':>6} {'MFU':>6} {'dropped':>7} {'loss':>7}")
+  for rec in result["runs"]:
+    if "error" in rec:
+      print(f"{rec['name']:>18} {rec['n']:>4} ERROR {rec['error'][:300]}")
+      continue
+    print(f"{rec['name']:>18} {rec['n']:>4} {rec['step_ms']:>8} "
+          f"{rec['tokens_per_s_per_gpu']:>10} "
+          f"{rec.get('weak_scaling_efficiency', float('nan')):>6} "
+          f"{rec['mfu']:>6} {rec['dropped_last_step']:>7.0f} "
+          f"{rec['loss_last']:>7.3f}")
+  print("exchange check:", json.dumps(result.get("exchange_check")))
+  print("all-to-all:", json.dumps(result.get("all_to_all")))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,232 @@
+"""Expert parallelism: the MoE experts sharded over the mesh axis "expert".
+
+Inside `jax.shard_map` every device holds its tokens (the batch is split
+over data x fsdp x expert) and E / n_ep experts (the "expert" axis), each
+expert's FFN dimension split over "tensor". One MoE layer on one device:
+
+  1. sort its (token, choice) pairs by expert (`moe.dispatch`);
+  2. all-gather the per-expert counts over "expert": every device then knows
+     the whole [source, destination, local expert] count table, so all the
+     all-to-all offsets follow without further communication (`plan`);
+  3. `ragged_all_to_all` sends each destination the rows of its experts,
+     received into a buffer of `capacity` rows;
+  4. re-sort the received rows by local expert, run the three grouped
+     matmuls (`kernels.gmm`), undo the re-sort;
+  5. the reverse `ragged_all_to_all` returns each row to where it came from;
+     the usual weighted combine follows; a psum over "tensor" adds the
+     partial sums of the split FFN dimension.
+
+Dropless by default: the receive buffer holds the worst case,
+n_ep * T_local * min(K, E / n_ep) rows. `Options.capacity_factor` c > 0
+shrinks it to c * T_local * K rows (less memory); rows past it are dropped,
+whole tail first, and counted: the drop counter of `RoutingStats.dropped`.
+
+CPU has no ragged all-to-all, so `all_to_all="dense"` (the default off GPU/TPU)
+emulates it exactly with a dense `all_to_all` of fixed-size slabs: the same
+plan, the same results, more bytes moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Mesh axes this module reads (m2jax.sharding builds meshes with them).
+EXPERT_AXIS = "expert"
+TENSOR_AXIS = "tensor"
+ALL_TO_ALL_IMPLS = ("auto", "ragged", "dense")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """How the expert-parallel MoE runs (set with `options(...)`).
+
+  capacity_factor: 0 sizes the receive buffer for the worst case (no token
+    can be dropped); c > 0 gives c * T_local * K rows, dropping and counting
+    what does not fit.
+  all_to_all: "ragged" (`jax.lax.ragged_all_to_all`; GPU/TPU), "dense"
+    (exact emulation by `jax.lax.all_to_all`; any backend), "auto" (ragged
+    unless the backend is CPU).
+  chunks: split each device's tokens into this many independent exchanges
+    (when T_local divides), so that one chunk's all-to-all can overlap
+    another's grouped matmuls.
+
+  The options are read when a step is traced and are not part of jit's
+  cache key: jit a new function per setting (jit_steps does).
+  """
+  capacity_factor: float = 0.0
+  all_to_all: str = "auto"
+  chunks: int = 1
+
+  def __post_init__(self):
+    if self.chunks < 1:
+      raise ValueError(f"Options.chunks: must be >= 1 (got {self.chunks!r})")
+    if self.capacity_factor < 0:
+      raise ValueError(f"Options.capacity_factor: must be >= 0 (got "
+                       f"{self.capacity_factor!r})")
+    if self.all_to_all not in ALL_TO_ALL_IMPLS:
+      raise ValueError(f"Options.all_to_all: must be one of "
+                       f"{ALL_TO_ALL_IMPLS} (got {self.all_to_all!r})")
+
+
+_local = threading.local()
+
+
+def current_options() -> Options:
+  return getattr(_local, "options", None) or Options()
+
+
+@contextlib.contextmanager
+def options(opts: Options | None):
+  """Context in which traced MoE layers use `opts`."""
+  old = getattr(_local, "options", None)
+  _local.options = opts
+  try:
+    yield
+  finally:
+    _local.options = old
+
+
+def resolve_impl(impl: str) -> str:
+  if impl == "auto":
+    return "dense" if jax.default_backend() == "cpu" else "ragged"
+  return impl
+
+
+def buffer_rows(tokens: int, top_k: int, num_experts: int, n_ep: int,
+                capacity_factor: float) -> int:
+  """Rows of the receive buffer on one device (static)."""
+  worst = n_ep * tokens * min(top_k, num_experts // n_ep)
+  if capacity_factor <= 0:
+    return worst
+  rows = int(-(-capacity_factor * tokens * top_k // 1))
+  return max(8, min(worst, -(-rows // 8) * 8))
+
+
+class Plan(NamedTuple):
+  """All-to-all parameters of one device, from the gathered count table.
+
+  Per destination d (dispatch) / per source s (return), over the "expert"
+  axis; `kept_SxL` is this device's received rows per source and local
+  expert, in the order they arrive.
+  """
+  input_offsets: jax.Array    # [n] where my rows for d start (sorted order)
+  send_sizes: jax.Array       # [n] rows I send d (after capacity)
+  output_offsets: jax.Array   # [n] where they land in d's buffer
+  recv_sizes: jax.Array       # [n] rows I receive from s
+  recv_offsets: jax.Array     # [n] where rows from s start in my buffer
+  return_offsets: jax.Array   # [n] where s's rows for me start in s's order
+  kept_SxL: jax.Array         # [n, E/n] rows received per (source, expert)
+  dropped: jax.Array          # rows of mine that did not fit (scalar)
+
+
+def plan(counts_SxE, me, capacity: int) -> Plan:
+  """All-to-all plan of device `me` from every device's per-expert counts.
+
+  counts_SxE[s, e]: rows device s routes to expert e (all n_ep devices).
+  Destination d owns experts [d * L, (d + 1) * L). It receives sources in
+  order s = 0..n-1, each source's rows grouped by expert; whatever would land
+  past `capacity` is not sent (a tail of each source's chunk, so what is sent
+  stays contiguous). Pure integer arithmetic, the same on every device.
+  """
+  n, e = counts_SxE.shape
+  per_SxDxL = counts_SxE.reshape(n, n, e // n)
+  # Rows arriving at d, in arrival order (source-major, then expert).
+  arrive_DxR = per_SxDxL.transpose(1, 0, 2).reshape(n, -1)
+  ends = jnp.cumsum(arrive_DxR, axis=1)
+  kept_DxR = jnp.clip(capacity - (ends - arrive_DxR), 0, arrive_DxR)
+  kept_SxDxL = kept_DxR.reshape(n, n, e // n).transpose(1, 0, 2)
+  sent_SxD = kept_SxDxL.sum(-1)
+  full_SxD = per_SxDxL.sum(-1)
+  starts_SxD = jnp.cumsum(full_SxD, axis=1) - full_SxD   # in the sender
+  landing_SxD = jnp.cumsum(sent_SxD, axis=0) - sent_SxD  # in the receiver
+  return Plan(
+      input_offsets=starts_SxD[me],
+      send_sizes=sent_SxD[me],
+      output_offsets=landing_SxD[me],
+      recv_sizes=sent_SxD[:, me],
+      recv_offsets=landing_SxD[:, me],
+      return_offsets=starts_SxD[:, me],
+      kept_SxL=kept_SxDxL[:, me],
+      dropped=full_SxD[me].sum() - sent_SxD[me].sum())
+
+
+def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes,
+                            output_offsets, recv_sizes, *, axis_name: str):
+  """`jax.lax.ragged_all_to_all` (one slice per peer) by a dense all_to_all.
+
+  Each peer's slice travels in a slab of min(len(operand), len(output)) rows,
+  so nothing is cut; differentiable through gathers, scatters and all_to_all.
+  """
+  slab = min(operand.shape[0], output.shape[0])
+  r = jnp.arange(slab, dtype=jnp.int32)
+  src = input_offsets[:, None] + r[None, :]
+  send_ok = r[None, :] < send_sizes[:, None]
+  rows = jnp.take(operand, jnp.clip(src, 0, operand.shape[0] - 1), axis=0)
+  send_ok = send_ok.reshape(send_ok.shape + (1,) * (operand.ndim - 1))
+  rows = jnp.where(send_ok, rows, jnp.zeros((), operand.dtype))
+  got = jax.lax.all_to_all(rows, axis_name, 0, 0)
+  landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  dst = landing[:, None] + r[None, :]
+  dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])
+  return output.at[dst.reshape(-1)].set(got.reshape(-1, *got.shape[2:]),
+                                        mode="drop")
+
+
+def _all_to_all(impl, *args):
+  if impl == "ragged":
+    return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
+  return dense_ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
+
+
+def permute(x, perm):
+  """x[perm] for a permutation `perm` (its transpose is a plain scatter)."""
+  return jnp.take(x, perm, axis=0, mode="clip", unique_indices=True)
+
+
+def _local_order(kept_SxL, rows: int):
+  """Permutation sorting the received buffer by local expert (tail last)."""
+  n, l = kept_SxL.shape
+  ends = jnp.cumsum(kept_SxL.reshape(-1))
+  seg = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32),
+                         side="right")
+  expert = jnp.where(seg < n * l, seg % l, l)
+  return jnp.argsort(expert, stable=True)
+
+
+def exchange(x_sorted, sizes_E, experts_fn, *, top_k: int,
+             capacity_factor: float, impl: str):
+  """Run one device's sorted rows through the experts that own them.
+
+  Call inside shard_map over a mesh with the "expert" axis. x_sorted [T*K, D]:
+  this device's (token, choice) rows sorted by expert, sizes_E [E] their
+  counts; experts_fn(rows, local_sizes) applies this device's E / n_ep
+  experts and may return float32. Returns (y_sorted [T*K, D] in x_sorted's
+  dtype, zeros for dropped rows; dropped: int32 rows of this device that
+  found no room).
+  """
+  n_ep = jax.lax.axis_size(EXPERT_AXIS)
+  rows = x_sorted.shape[0]
+  capacity = buffer_rows(rows // top_k, top_k, sizes_E.shape[0], n_ep,
+                         capacity_factor)
+  counts = jax.lax.all_gather(sizes_E, EXPERT_AXIS)
+  p = plan(counts, jax.lax.axis_index(EXPERT_AXIS), capacity)
+  buf = jnp.zeros((capacity,) + x_sorted.shape[1:], x_sorted.dtype)
+  x_recv = _all_to_all(impl, x_sorted, buf, p.input_offsets, p.send_sizes,
+                       p.output_offsets, p.recv_sizes)
+  local = _local_order(p.kept_SxL, capacity)
+  y_local = experts_fn(permute(x_recv, local),
+                       p.kept_SxL.sum(0).astype(jnp.int32))
+  # Back in the compute dtype: half the bytes on the wire in bf16.
+  y_recv = permute(y_local.astype(x_sorted.dtype), jnp.argsort(local))
+  # The reverse trip: rows received from s go back to s, landing where s's
+  # rows for this device started in s's sorted order.
+  y_sorted = _all_to_all(impl, y_recv, jnp.zeros_like(x_sorted),
+                         p.recv_offsets, p.recv_sizes, p.return_offsets,
+                         p.send_sizes)
+  return y_sorted, p.dropped.astype(jnp.int32)

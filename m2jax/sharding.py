@@ -1,0 +1,305 @@
+"""Meshes, the logical-axis rules, and where every array of a run lives.
+
+One mesh over four named axes, any of them of size 1:
+  data    pure data parallelism: batch split, parameters replicated;
+  fsdp    batch split and parameters (their "embed" dimension) sharded,
+          gathered by XLA where a layer needs them (ZeRO-3 style);
+  expert  batch split outside the MoE; inside it each device owns
+          E / n_expert experts and tokens travel to them by all-to-all
+          (m2jax.model.expert_parallel);
+  tensor  attention heads, the expert FFN dimension, the dense FFN and the
+          vocabulary split (Megatron style); the batch is not split.
+
+  mesh = make_mesh("data=2,fsdp=2,expert=2,tensor=1")   # 8 devices
+  with use_mesh(mesh):            # traced model code sees mesh and rules
+    ...
+  state = place(state, state_shardings(model_config, train_config, mesh))
+
+`LOGICAL_RULES` is the single table from the model's logical axis names
+(m2jax.model.layers) to mesh axes. The expert bias is replicated: every
+device routes its own tokens over all experts. Multi-host runs call
+`initialize_distributed` first; each process then feeds the same global
+batch and `shard_batch` keeps only its devices' rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from m2jax.config import ModelConfig
+from m2jax import model
+from m2jax.model import expert_parallel
+
+AXES = ("data", "fsdp", "expert", "tensor")
+# Axes the batch (and every token-indexed activation) is split over.
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# Logical name -> mesh axes. Names are those of m2jax.model.layers.
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # Activations.
+    ("act_batch", BATCH_AXES),
+    ("act_tokens", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_vocab", "tensor"),
+    # Parameters.
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("mlp", "tensor"),
+    ("router", None),
+    ("norm", None),
+    ("mtp_concat", None),
+)
+
+
+class MeshError(ValueError):
+  """A mesh flag or a mesh that does not fit the devices, model or batch."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """"data=2,fsdp=2,expert=2,tensor=1" -> sizes of all four axes (default 1)."""
+  sizes = dict.fromkeys(AXES, 1)
+  seen = set()
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    m = re.fullmatch(r"(\w+)\s*=\s*(\d+)", item)
+    if not m or m.group(1) not in AXES or m.group(1) in seen:
+      raise MeshError(f"--mesh item {item!r}: expected AXIS=SIZE with AXIS one "
+                      f"of {AXES}, each at most once (got {text!r})")
+    if int(m.group(2)) < 1:
+      raise MeshError(f"--mesh axis {m.group(1)} must be >= 1 (got {text!r})")
+    seen.add(m.group(1))
+    sizes[m.group(1)] = int(m.group(2))
+  return sizes
+
+
+def make_mesh(spec: str | dict[str, int], devices=None) -> jax.sharding.Mesh:
+  """A Mesh over AXES (in that order) of `devices` (default: all).
+
+  The product of the sizes must equal the number of devices. Axes are laid
+  out with "tensor" innermost, then "expert", so those stay on the fastest
+  links (one host's NVLink) and "data" / "fsdp" span hosts.
+  """
+  sizes = parse_mesh(spec) if isinstance(spec, str) else {
+      **dict.fromkeys(AXES, 1), **spec}
+  devices = list(jax.devices() if devices is None else devices)
+  shape = tuple(sizes[a] for a in AXES)
+  if math.prod(shape) != len(devices):
+    raise MeshError(
+        f"mesh {format_mesh(sizes)} has {math.prod(shape)} devices "
+        f"({' x '.join(map(str, shape))}) but {len(devices)} devices are "
+        f"available; the sizes must multiply to {len(devices)}")
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,)
+                       * len(AXES), devices=devices)
+
+
+def format_mesh(sizes) -> str:
+  """"data=2,fsdp=1,expert=4,tensor=1" for a mesh or a dict of sizes."""
+  if hasattr(sizes, "shape"):
+    sizes = dict(sizes.shape)
+  return ",".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
+
+
+def batch_shards(mesh) -> int:
+  """Number of ways the batch is split."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_mesh(config: ModelConfig, mesh, batch_size: int | None = None):
+  """Raise MeshError naming the field that a mesh axis does not divide."""
+  s = mesh.shape
+  need = [("hidden_size", config.hidden_size, "fsdp"),
+          ("vocab_size", config.vocab_size, "tensor"),
+          ("num_heads", config.num_heads, "tensor"),
+          ("num_kv_heads", config.num_kv_heads, "tensor")]
+  if config.ffn_type == "moe":
+    need += [("num_experts", config.num_experts, "expert"),
+             ("moe_intermediate_size", config.moe_intermediate_size, "tensor")]
+  else:
+    need += [("dense_intermediate_size", config.dense_intermediate_size,
+              "tensor")]
+  for field, value, axis in need:
+    if value % s[axis]:
+      raise MeshError(f"ModelConfig.{field}={value} is not divisible by the "
+                      f"mesh axis {axis}={s[axis]} ({format_mesh(mesh)})")
+  if batch_size is not None and batch_size % batch_shards(mesh):
+    raise MeshError(
+        f"batch_size={batch_size} is not divisible by data*fsdp*expert="
+        f"{batch_shards(mesh)} ({format_mesh(mesh)})")
+
+
+@contextlib.contextmanager
+def use_mesh(mesh, rules=LOGICAL_RULES,
+             expert_options: expert_parallel.Options | None = None):
+  """Trace model code against `mesh`: logical constraints and the
+  expert-parallel MoE apply inside. Enter it around calls of jitted
+  functions (tracing happens at the first call)."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), \
+      expert_parallel.options(expert_options):
+    yield
+
+
+class on_mesh:  # pylint: disable=invalid-name
+  """A jitted function whose calls (and `.lower`) run under `use_mesh`."""
+
+  def __init__(self, jitted, mesh, expert_options=None, rules=LOGICAL_RULES):
+    self.jitted, self.mesh = jitted, mesh
+    self._ctx = lambda: use_mesh(mesh, rules, expert_options)
+
+  def __call__(self, *args, **kwargs):
+    with self._ctx():
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with self._ctx():
+      return self.jitted.lower(*args, **kwargs)
+
+
+# Placement ---------------------------------------------------------------
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  """Rows over data x fsdp x expert; every other dimension whole."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def _check_divisible(path, shape, sharding):
+  for dim, axes in zip(shape, sharding.spec):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    n = math.prod(sharding.mesh.shape[a] for a in axes)
+    if dim % n:
+      raise MeshError(f"{jax.tree_util.keystr(path)}: dimension {dim} is not "
+                      f"divisible by mesh axes {axes} ({n})")
+
+
+def variable_shardings(config: ModelConfig, mesh, rules=LOGICAL_RULES):
+  """NamedShardings of the model variables {"params", "expert_bias"}."""
+  specs = model.logical_axes(config)
+  shapes = jax.eval_shape(lambda: model.init(config, jax.random.key(0)))
+
+  def one(path, spec, shape):
+    sharding = NamedSharding(mesh, nn.logical_to_mesh_axes(tuple(spec), rules)
+                             if spec is not None else P())
+    _check_divisible(path, shape.shape, sharding)
+    return sharding
+
+  return jax.tree_util.tree_map_with_path(
+      one, specs, shapes, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def state_shardings(model_config: ModelConfig, train_config, mesh,
+                    rules=LOGICAL_RULES):
+  """A TrainState of NamedShardings: optimizer moments follow their params."""
+  # pylint: disable=import-outside-toplevel
+  import optax
+  from m2jax.train import step as step_lib
+  from m2jax.train.optim import make_optimizer
+  var = variable_shardings(model_config, mesh, rules)
+  params = jax.eval_shape(lambda: model.init(model_config,
+                                             jax.random.key(0)))["params"]
+  opt = make_optimizer(train_config, params)
+  opt_shapes = jax.eval_shape(opt.init, params)
+  opt_sh = optax.tree_map_params(
+      opt, lambda _, s: s, opt_shapes, var["params"],
+      transform_non_params=lambda _: replicated(mesh),
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+  return step_lib.TrainState(replicated(mesh), var["params"], opt_sh,
+                             var.get(model.EXPERT_BIAS, {}))
+
+
+def place(tree, shardings):
+  """`tree` (host or device arrays) moved onto `shardings`."""
+  return jax.tree.map(_place_one, tree, shardings)
+
+
+def _place_one(x, sharding):
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(x, sharding)  # already global: reshard
+  x = np.asarray(x) if not isinstance(x, jax.Array) else x
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+
+def shard_batch(batch: dict, mesh) -> dict:
+  """A host batch (the same global batch on every process) as global arrays
+  split by `batch_sharding`; each process uploads only its own rows."""
+  sharding = batch_sharding(mesh)
+  return {k: _place_one(np.asarray(v), sharding) for k, v in batch.items()}
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None,
+                           local_device_ids=None) -> None:
+  """`jax.distributed.initialize` for multi-host runs (before any JAX use).
+
+  With no arguments JAX auto-detects SLURM / Open MPI / cloud TPU settings;
+  otherwise give all three of address (host:port of process 0), the number of
+  processes and this process's id.
+  """
+  given = [coordinator_address, num_processes, process_id]
+  if any(v is not None for v in given) and any(v is None for v in given):
+    raise MeshError("multi-host: give all of --coordinator_address, "
+                    "--num_processes and --process_id, or none of them "
+                    "(auto-detect)")
+  jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                             local_device_ids=local_device_ids)
+
+
+# Flags shared by every training script -----------------------------------
+
+
+def define_flags() -> None:
+  """Define --mesh, the expert-parallel and the multi-host flags (absl)."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string(
+      "mesh", "", "Device mesh AXIS=SIZE,... over data, fsdp, expert, tensor "
+      "(e.g. data=2,fsdp=2,expert=2,tensor=1; sizes multiply to the number "
+      "of devices of all hosts). Empty: no mesh (one device).")
+  flags.DEFINE_float(
+      "moe_capacity_factor", 0.0, "Expert-parallel receive buffer in "
+      "multiples of a device's average rows (T*K); 0 = the worst case, so "
+      "no token is ever dropped (moe/dropped counts drops otherwise).")
+  flags.DEFINE_enum("all_to_all", "auto", list(expert_parallel.ALL_TO_ALL_IMPLS),
+                    "Expert-parallel exchange: ragged_all_to_all, or its "
+                    "dense emulation (auto: dense on CPU only).")
+  flags.DEFINE_bool("distributed", False,
+                    "Multi-host: call jax.distributed.initialize (auto-detects "
+                    "SLURM / Open MPI unless the three flags below are given).")
+  flags.DEFINE_string("coordinator_address", None,
+                      "Multi-host: host:port of process 0.")
+  flags.DEFINE_integer("num_processes", None, "Multi-host: process count.")
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+
+
+def from_flags():
+  """(mesh or None, expert_parallel.Options) from `define_flags`' flags;
+  initialises the distributed runtime first when asked."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  f = flags.FLAGS
+  if f.distributed or f.coordinator_address is not None:
+    initialize_distributed(f.coordinator_address, f.num_processes,
+                           f.process_id)
+  mesh = make_mesh(f.mesh) if f.mesh else None
+  return mesh, expert_parallel.Options(
+      capacity_factor=f.moe_capacity_factor, all_to_all=f.all_to_all)

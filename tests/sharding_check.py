@@ -1,0 +1,217 @@
+"""Sharded vs single-device checks on 8 fake CPU devices (run by
+tests/test_sharding.py in its own process, so the rest of the suite keeps one
+device). Prints one JSON object of measured differences and counts.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py
+"""
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
+
+from m2jax import config as config_lib  # pylint: disable=wrong-import-position
+from m2jax import model, sharding  # pylint: disable=wrong-import-position
+from m2jax.model import expert_parallel  # pylint: disable=wrong-import-position
+from m2jax.train import checkpoint as ckpt_lib  # pylint: disable=wrong-import-position
+from m2jax.train import step as step_lib  # pylint: disable=wrong-import-position
+from m2jax.data import DataConfig  # pylint: disable=wrong-import-position
+from m2jax.train.config import TrainConfig  # pylint: disable=wrong-import-position
+from m2jax.train.loop import pretrain  # pylint: disable=wrong-import-position
+from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-position
+
+# Mesh -> expert-parallel options (the last one also splits each device's
+# tokens into two exchanges).
+MESHES = {"data=8": None, "data=2,fsdp=2,expert=2": None,
+          "fsdp=2,expert=4": None,
+          "data=2,expert=2,tensor=2": expert_parallel.Options(chunks=2)}
+# TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.
+MCFG = config_lib.TINY.replace(num_layers=1)
+# eps well above float32 noise: Adam's first steps are sign-like and would
+# blow up 1e-9 differences in near-zero gradients.
+TCFG = TrainConfig(steps=10, learning_rate=1e-2, warmup_steps=0, mtp_depth=1,
+                   eps=1e-3)
+
+
+def _batch(B=8, T=16):
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, MCFG.vocab_size, (B, T), dtype=np.int32)
+  seg = np.ones((B, T), np.int32)
+  seg[:, T // 2:] = 2          # two documents per row
+  seg[::3, -3:] = 0            # and some padding
+  pos = np.asarray(model.layers.positions_from_segments(jnp.asarray(seg)))
+  return {"tokens": tokens, "segment_ids": seg, "positions": pos,
+          "num_bytes": np.full((B,), T, np.int32)}
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) -
+                                  np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _loss_and_grads(params, bias, batch):
+  loss_fn = functools.partial(step_lib._loss_fn, mcfg=MCFG, tcfg=TCFG)  # pylint: disable=protected-access
+  (loss, (_, out)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, bias, batch, jnp.zeros((), jnp.int32))
+  dropped = out.routing.dropped.sum() + out.mtp_routing.dropped.sum()
+  return loss, out.logits, out.mtp_logits[0], out.routing.load_E, dropped, grads
+
+
+def _fresh_jit():
+  # The logical rules and expert options are read at trace time and are not
+  # part of jit's cache key: a new function object per setting.
+  return jax.jit(functools.partial(_loss_and_grads))
+
+
+def check_meshes(variables, batch, result):
+  fn = _fresh_jit()
+  ref = fn(variables["params"], variables["expert_bias"], batch)
+  for spec, opts in MESHES.items():
+    t = time.time()
+    mesh = sharding.make_mesh(spec)
+    placed = sharding.place(variables,
+                            sharding.variable_shardings(MCFG, mesh))
+    fn = _fresh_jit()
+    with sharding.use_mesh(mesh, expert_options=opts):
+      got = fn(placed["params"], placed["expert_bias"],
+               sharding.shard_batch(batch, mesh))
+    result["meshes"][spec] = {
+        "loss": _max_diff(ref[0], got[0]),
+        "logits": _max_diff(ref[1:3], got[1:3]),
+        "load": _max_diff(ref[3], got[3]),
+        "dropped": int(got[4]),
+        "grads": _max_diff(ref[5], got[5]),
+        "grad_scale": float(max(np.max(np.abs(g))
+                                for g in jax.tree.leaves(ref[5]))),
+        "expert_weight_spec": str(got[5]["layers_0"]["moe"]["w1"]
+                                  .sharding.spec),
+        "seconds": round(time.time() - t, 1),
+    }
+
+
+def _corpus(directory):
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "delta", "def", "return", "(x)", "\n"]
+  os.makedirs(directory)
+  for i in range(20):
+    with open(os.path.join(directory, f"doc{i}.txt"), "w") as f:
+      f.write(" ".join(rng.choice(words, 40)))
+  return directory
+
+
+def check_pretrain(tmp, result):
+  """The training loop on a mesh (two AdamW steps, an eval, a checkpoint)
+  against the same loop on one device; then its checkpoint restored onto a
+  different mesh."""
+  dcfg = DataConfig(source=_corpus(os.path.join(tmp, "corpus")), seq_len=16,
+                    batch_size=8, validation_fraction=0.2)
+  # MTP is covered by check_meshes; without it the four compiles are cheaper.
+  tcfg = TCFG.replace(steps=2, log_every=1, eval_every=2, eval_batches=1,
+                      checkpoint_every=2, mtp_depth=0)
+  mesh = sharding.make_mesh("data=2,fsdp=2,expert=2")
+  runs = {}
+  for name, m in (("ref", None), ("mesh", mesh)):
+    runs[name] = pretrain(MCFG, tcfg, dcfg, os.path.join(tmp, name),
+                          progress=False, sample_tokens=0, mesh=m)
+  lines = {k: read_metrics(os.path.join(tmp, k)) for k in runs}
+  state = runs["mesh"]["state"]
+  result["train"] = {
+      "losses": [l["loss"] for l in lines["mesh"] if "loss" in l],
+      "ref_losses": [l["loss"] for l in lines["ref"] if "loss" in l],
+      "val_loss": [runs["ref"]["val_loss"], runs["mesh"]["val_loss"]],
+      "params": _max_diff(runs["ref"]["state"].params, state.params),
+      "bias": _max_diff(runs["ref"]["state"].expert_bias, state.expert_bias),
+      "dropped": [l["moe/dropped"] for l in lines["mesh"] if "loss" in l],
+      "param_spec": str(state.params["layers_0"]["attn"]["q_proj"]
+                        .sharding.spec),
+      "mu_spec": str(state.opt_state[1][0].mu["layers_0"]["attn"]["q_proj"]
+                     .sharding.spec),
+  }
+  # Resume onto another mesh: orbax reshards into the target shardings.
+  other = sharding.make_mesh("fsdp=2,expert=4")
+  target = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      state, sharding.state_shardings(MCFG, tcfg, other))
+  ck = ckpt_lib.Checkpointer(os.path.join(tmp, "mesh", "checkpoints"), keep=1)
+  step, restored, _, _ = ck.restore_latest(target)
+  ck.close()
+  w1 = restored.params["layers_0"]["moe"]["w1"]
+  result["checkpoint"] = {"step": step, "diff": _max_diff(state, restored),
+                          "w1_spec": str(w1.sharding.spec),
+                          "w1_mesh": sharding.format_mesh(w1.sharding.mesh)}
+
+
+def check_capacity(variables, batch, result):
+  """A tiny capacity buffer drops rows and the counter sees them."""
+  mesh = sharding.make_mesh("fsdp=2,expert=4")
+  placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
+  opts = expert_parallel.Options(capacity_factor=0.25)
+  forward = jax.jit(lambda v, t: model.forward(MCFG, v, t))
+  with sharding.use_mesh(mesh, expert_options=opts):
+    out = forward(placed, sharding.shard_batch(batch, mesh)["tokens"])
+  result["capacity"] = {"dropped": int(out.routing.dropped.sum()),
+                        "logits_finite": bool(np.isfinite(out.logits).all())}
+
+
+def check_dense_all_to_all(result):
+  """The CPU emulation reproduces ragged_all_to_all's documented example."""
+  mesh = jax.make_mesh((2,), ("expert",), (jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  args = [np.array(a, np.int32) for a in (
+      [[1, 2, 2], [3, 4, 0]], [[0] * 4] * 2, [[0, 1], [0, 1]],
+      [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+  fn = jax.shard_map(
+      lambda *a: expert_parallel.dense_ragged_all_to_all(
+          *(x[0] for x in a), axis_name="expert")[None],
+      mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+  result["dense_all_to_all"] = np.asarray(jax.jit(fn)(*args)).tolist()
+
+
+def check_ragged_lowering(variables, batch, result):
+  """The GPU path (ragged_all_to_all) traces and differentiates; CPU cannot
+  run it, so it is lowered only."""
+  mesh = sharding.make_mesh("data=2,expert=2,tensor=2")
+  placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
+  opts = expert_parallel.Options(all_to_all="ragged")
+  with sharding.use_mesh(mesh, expert_options=opts):
+    text = _fresh_jit().lower(
+        placed["params"], placed["expert_bias"],
+        sharding.shard_batch(batch, mesh)).as_text()
+  result["ragged_lowering"] = text.count("ragged_all_to_all")
+
+
+def main():
+  start = time.time()
+  assert jax.device_count() == 8, jax.devices()
+  result = {"meshes": {}}
+  variables = model.init(MCFG, jax.random.key(0))
+  batch = _batch()
+  t = time.time()
+  check_meshes(variables, batch, result)
+  result["t_meshes"] = round(time.time() - t, 1)
+  with tempfile.TemporaryDirectory() as tmp:
+    check_pretrain(tmp, result)
+  result["t_train"] = round(time.time() - t, 1)
+  check_capacity(variables, batch, result)
+  result["t_cap"] = round(time.time() - t, 1)
+  check_dense_all_to_all(result)
+  check_ragged_lowering(variables, batch, result)
+  result["t_ragged"] = round(time.time() - t, 1)
+  result["seconds"] = round(time.time() - start, 1)
+  json.dump(result, sys.stdout)
+  print()
+
+
+if __name__ == "__main__":
+  main()
