@@ -175,9 +175,10 @@ def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto", interpret=None):
   n = w1.shape[2] if w1.shape[2] % 128 == 0 else 1
   mode = _mode(backend, interpret, lhs, w1.shape[1], n)
   if mode == "xla":
-    a = gmm_ref.gmm_ref(lhs, w1, group_sizes)
-    b = gmm_ref.gmm_ref(lhs, w3, group_sizes)
-    return jax.nn.silu(a) * b
+    f32 = jnp.float32
+    a = gmm_ref.gmm_ref(lhs, w1, group_sizes, preferred_element_type=f32)
+    b = gmm_ref.gmm_ref(lhs, w3, group_sizes, preferred_element_type=f32)
+    return _swiglu_epilogue(a, b).astype(lhs.dtype)
   return _swiglu_kernel(lhs, w1, w3, group_sizes.astype(jnp.int32), mode)
 
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels.gmm import gmm
+from kernels.gmm import gmm, gmm_swiglu
 from m2jax.config import ModelConfig
 from m2jax.model import expert_parallel
 from m2jax.model.expert_parallel import EXPERT_AXIS, TENSOR_AXIS
@@ -139,15 +139,17 @@ def combine(y_sorted, routing: Routing, order):
 
 
 def swiglu_experts(x_sorted, group_sizes, w1, w3, w2, *, backend: str):
-  """Expert e computes w2(silu(w1 x) * w3 x) on its rows of `x_sorted`."""
+  """Expert e computes w2(silu(w1 x) * w3 x) on its rows of `x_sorted`.
+
+  The gated up-projection is one fused grouped matmul (w1 and w3 together,
+  silu(a) * b in float32 in its epilogue); outputs are in the compute dtype
+  and `combine` sums them in float32.
+  """
   cdt = x_sorted.dtype
-  h1 = gmm(x_sorted, w1.astype(cdt), group_sizes,
-           preferred_element_type=jnp.float32, backend=backend)
-  h3 = gmm(x_sorted, w3.astype(cdt), group_sizes,
-           preferred_element_type=jnp.float32, backend=backend)
-  h = (jax.nn.silu(h1) * h3).astype(cdt)
-  return gmm(h, w2.astype(cdt), group_sizes,
-             preferred_element_type=jnp.float32, backend=backend)
+  h = gmm_swiglu(x_sorted, w1.astype(cdt), w3.astype(cdt), group_sizes,
+                 backend=backend)
+  return gmm(h, w2.astype(cdt), group_sizes, preferred_element_type=cdt,
+             backend=backend)
 
 
 def _token_axes(mesh) -> tuple[str, ...]:
