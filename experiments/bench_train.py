@@ -52,8 +52,10 @@ def bench(backend: str) -> dict:
   mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override + [f"gmm_backend={backend}"])
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
+  t = time.perf_counter()
   state = step_lib.init_state(tcfg, model.init(mcfg, jax.random.key(0)))
   train, _ = step_lib.jit_steps(mcfg, tcfg)
+  print(f"{backend}: init {time.perf_counter() - t:.1f} s", flush=True)
   B, T = FLAGS.batch_size, FLAGS.seq_len
   rng = np.random.default_rng(0)
   batches = [{
@@ -63,6 +65,12 @@ def bench(backend: str) -> dict:
       "num_bytes": np.full((B,), T, np.int32)} for _ in range(4)]
   batches = [jax.device_put(b) for b in batches]
   try:
+    t = time.perf_counter()
+    compiled = train.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - t
+    print(f"{backend}: compiled the train step in {compile_s:.1f} s",
+          flush=True)
+    train = compiled
     for i in range(3):
       state, metrics = train(state, batches[i % 4])
     jax.block_until_ready(metrics)
@@ -80,7 +88,8 @@ def bench(backend: str) -> dict:
   fpt = params.flops_per_token(mcfg, T)
   peak = peak_flops()
   mem = jax.devices()[0].memory_stats() or {}
-  return {"backend": backend, "step_s": step_s, "tokens_per_sec": tps,
+  return {"backend": backend, "compile_s": compile_s, "step_s": step_s,
+          "tokens_per_sec": tps,
           "model_tflops": tps * fpt / 1e12,
           "mfu": tps * fpt / peak if peak else None,
           "peak_memory_gib": mem.get("peak_bytes_in_use", 0) / 2**30,
