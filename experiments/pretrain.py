@@ -90,6 +90,8 @@ def main(argv):
                      mesh=mesh, expert_options=expert_options)
   sample = summary.pop("sample", None)
   summary.pop("state", None)
+  summary.pop("metrics", None)  # every logged step is in metrics.jsonl
+  summary["workdir"] = FLAGS.workdir
   print(json.dumps(summary, indent=2))
   if sample is not None:
     print("--- greedy sample ---")
