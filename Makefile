@@ -22,9 +22,9 @@ venv: $(VENV)/.installed
 
 demo: venv
 	rm -rf $(DEMO_DIR)
-	$(PY) -m experiments.pretrain --preset=tiny --steps=400 --seq_len=256 \
-	  --batch_size=8 --learning_rate=3e-3 --warmup_steps=20 --eval_every=100 \
-	  --checkpoint_every=100 --workdir=$(DEMO_DIR)
+	$(PY) -m experiments.pretrain --preset=tiny --steps=1000 --seq_len=256 \
+	  --batch_size=8 --learning_rate=3e-3 --warmup_steps=20 --eval_every=200 \
+	  --checkpoint_every=200 --workdir=$(DEMO_DIR)
 
 test: venv
 	$(PY) -m pytest -q -n 2 tests

@@ -172,6 +172,16 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   summary = {}
   bar = tqdm(total=tcfg.steps, initial=start, disable=not (progress and primary),
              desc="pretrain", unit="step", dynamic_ncols=True)
+
+  def eval_and_log(step):
+    ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
+    writer.write(step, ev)
+    summary.update(ev)
+    bar.write(f"step {step}: val_loss {ev['val_loss']:.4f} nats/token, "
+              f"{ev['val_bpb']:.4f} bits/byte")
+
+  if start == 0 and end > 0:
+    eval_and_log(0)  # where training starts from (about ln V untrained)
   tick, tick_tokens = time.perf_counter(), 0
   for step in range(start, end):
     if _stage_at(stages, step) != stage:
@@ -201,11 +211,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{tps:,.0f}")
       tick, tick_tokens = time.perf_counter(), 0
     if done % tcfg.eval_every == 0 or done == tcfg.steps:
-      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
-      writer.write(done, ev)
-      summary.update(ev)
-      bar.write(f"step {done}: val_loss {ev['val_loss']:.4f} nats/token, "
-                f"{ev['val_bpb']:.4f} bits/byte")
+      eval_and_log(done)
     if done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end):
       checkpointer.save(done, state, {"stage": stage,
                                       "iterator": train_it.get_state()}, meta)
