@@ -126,6 +126,15 @@ def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
           "bytes": jnp.sum(batch["num_bytes"])}
 
 
+@functools.lru_cache(maxsize=8)
+def _jit_single_device(model_config: ModelConfig, train_config: TrainConfig):
+  train = functools.partial(train_step, model_config=model_config,
+                            train_config=train_config)
+  evaluate = functools.partial(eval_step, model_config=model_config,
+                               train_config=train_config)
+  return jax.jit(train, donate_argnums=0), jax.jit(evaluate)
+
+
 def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
               mesh=None, expert_options=None):
   """Jitted (train_step, eval_step) closed over the configs.
@@ -135,12 +144,14 @@ def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
   under `sharding.use_mesh(mesh, expert_options=...)`. Batches are global
   arrays (`sharding.shard_batch`) or host arrays (single process).
   """
+  if mesh is None:
+    # The seed only matters for init: runs that differ by seed share one
+    # compiled step (sweeps run several seeds per config).
+    return _jit_single_device(model_config, train_config.replace(seed=0))
   train = functools.partial(train_step, model_config=model_config,
                             train_config=train_config)
   evaluate = functools.partial(eval_step, model_config=model_config,
                                train_config=train_config)
-  if mesh is None:
-    return jax.jit(train, donate_argnums=0), jax.jit(evaluate)
   state = sharding.state_shardings(model_config, train_config, mesh)
   batch, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
   train = jax.jit(train, in_shardings=(state, batch),
