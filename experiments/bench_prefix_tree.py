@@ -16,7 +16,6 @@ One GPU run:
   python -m experiments.bench_prefix_tree --out=benchmarks/results/prefix_tree_h100.json
 """
 
-import dataclasses
 import datetime
 import json
 import os
@@ -25,7 +24,6 @@ import traceback
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kernels import tree_attention as ta

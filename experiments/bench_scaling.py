@@ -16,7 +16,6 @@ kernels), and one ragged all-to-all of a layer's rows timed alone.
 """
 
 import dataclasses
-import functools
 import json
 import os
 import statistics

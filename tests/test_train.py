@@ -1,6 +1,5 @@
 """Training: falling loss, exact resume after SIGKILL, checkpoint safety."""
 
-import json
 import os
 import random
 import signal
