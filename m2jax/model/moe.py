@@ -7,7 +7,8 @@ and bf16 rounding would change the choice):
   weights = s[chosen] / sum(s[chosen])  un-biased, renormalised, * scaling
 
 Dispatch: every (token, choice) pair is sorted by expert, the experts run as
-three grouped matmuls (`kernels.gmm`), and the outputs are unsorted and
+two grouped matmuls (`kernels.gmm`: gate and up projections fused with the
+SwiGLU, then the down projection), and the outputs are unsorted and
 combined with the weights in float32. No token is ever dropped (unless an
 expert-parallel capacity factor is set, see below).
 
