@@ -165,16 +165,6 @@ def jax_mgpu_tgmm(block_m, block_n, steps):
   return f
 
 
-def jax_mgpu_fwdbwd(fwd_cfg, dlhs_cfg, tgmm_cfg):
-  fwd = jax_mgpu_fwd(*fwd_cfg)
-  dlhs = jax_mgpu_fwd(*dlhs_cfg, transpose=True)
-  tg = jax_mgpu_tgmm(*tgmm_cfg)
-
-  def f(x, w, gs, cot):
-    return fwd(x, w, gs, cot), dlhs(x, w, gs, cot), tg(x, w, gs, cot)
-  return f
-
-
 def ours_tgmm(config=None):
   def f(x, w, gs, cot):
     del w

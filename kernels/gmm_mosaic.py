@@ -34,6 +34,10 @@ _ROW_ALIGN = 8  # TMA row offsets into 8-row-tiled smem
 _HALF = 64  # rows of the tile owned by each of the two compute warpgroups
 _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
+# What the compute warpgroups may take of the 512 registers per thread slot
+# left after the producer (a multiple of 8, at most 256).
+_COMPUTE_REGISTERS = min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS
+                         // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,9 +392,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _consumer():
-        plgpu.set_max_registers(
-            min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS // 8 * 8),
-            action="increase")
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
 
         def work(i, step):
           nt, grp, row0, lo, hi = item(i)
@@ -521,9 +523,7 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _consumer():
-        plgpu.set_max_registers(
-            min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS // 8 * 8),
-            action="increase")
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
 
         def work(i, step):
           grp, kt, nt, _, lo, hi, nsteps = item(i)

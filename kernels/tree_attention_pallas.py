@@ -37,6 +37,27 @@ def _visible(q_idx, seg_q, k_idx, se_k, seg_k):
           & (seg_q[:, None] == seg_k[None, :]))
 
 
+def _log2_scores(q, k, scale, mask=None):
+  """scale * q k^T in log2 units; _NEG where `mask` is False (None: none)."""
+  s = plgpu.dot(q, k, trans_b=True) * (scale * _LOG2E)
+  return s if mask is None else jnp.where(mask, s, _NEG)
+
+
+def _k_block(q, q_idx, seg_q, k_ref, v_ref, se_ref, seg_ref, k_start,
+             block_k, scale, masked):
+  """The k/v block at `k_start` for one q block: (k, v, scores, mask).
+
+  `masked` is static: full blocks skip the mask (it is None for them).
+  """
+  cols = pl.ds(k_start, block_k)
+  k, v = k_ref[cols, :], v_ref[cols, :]
+  mask = None
+  if masked:
+    mask = _visible(q_idx, seg_q, k_start + jnp.arange(block_k),
+                    se_ref[cols], seg_ref[cols])
+  return k, v, _log2_scores(q, k, scale, mask), mask
+
+
 def _params(cfg, backward=False):
   if backward:
     return plgpu.CompilerParams(num_warps=cfg.num_warps_bwd,
@@ -58,14 +79,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, se_ref, seg_ref, list_ref, count_ref,
     def body(t, carry):
       acc, m, l = carry
       k_start = pl.multiple_of(list_ref[t] * block_k, block_k)
-      k = k_ref[pl.ds(k_start, block_k), :]
-      v = v_ref[pl.ds(k_start, block_k), :]
-      s = plgpu.dot(q, k, trans_b=True) * (scale * _LOG2E)
-      if masked:
-        mask = _visible(q_idx, seg_q, k_start + jnp.arange(block_k),
-                        se_ref[pl.ds(k_start, block_k)],
-                        seg_ref[pl.ds(k_start, block_k)])
-        s = jnp.where(mask, s, _NEG)
+      _, v, s, mask = _k_block(q, q_idx, seg_q, k_ref, v_ref, se_ref, seg_ref,
+                               k_start, block_k, scale, masked)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       alpha = jnp.exp2(m - m_new)
       p = jnp.exp2(s - m_new[:, None])
@@ -136,14 +151,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
   def loop_body(masked):
     def body(t, dq):
       k_start = pl.multiple_of(list_ref[t] * block_k, block_k)
-      k = k_ref[pl.ds(k_start, block_k), :]
-      v = v_ref[pl.ds(k_start, block_k), :]
-      s = plgpu.dot(q, k, trans_b=True) * (scale * _LOG2E)
-      if masked:
-        mask = _visible(q_idx, seg_q, k_start + jnp.arange(block_k),
-                        se_ref[pl.ds(k_start, block_k)],
-                        seg_ref[pl.ds(k_start, block_k)])
-        s = jnp.where(mask, s, _NEG)
+      k, v, s, _ = _k_block(q, q_idx, seg_q, k_ref, v_ref, se_ref, seg_ref,
+                            k_start, block_k, scale, masked)
       p = jnp.exp2(s - lse[:, None])
       dp = plgpu.dot(do, v, trans_b=True)
       ds = p * (dp - delta[:, None])
@@ -205,11 +214,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
         rows = pl.ds(q_start, block_q)
         q = q_ref[rows, g, :]
         do = do_ref[rows, g, :]
-        s = plgpu.dot(q, k, trans_b=True) * (scale * _LOG2E)
-        if masked:
-          mask = _visible(q_start + jnp.arange(block_q), seg_ref[rows],
-                          k_idx, se_k, seg_k)
-          s = jnp.where(mask, s, _NEG)
+        mask = (_visible(q_start + jnp.arange(block_q), seg_ref[rows],
+                         k_idx, se_k, seg_k) if masked else None)
+        s = _log2_scores(q, k, scale, mask)
         p = jnp.exp2(s - lse_ref[g, rows][:, None])
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
         dp = plgpu.dot(do, v, trans_b=True)

@@ -167,11 +167,6 @@ class ModelConfig:
             self.attention_impl)
 
   # Derived quantities.
-  @property
-  def num_groups(self) -> int:
-    """Query heads per KV head (GQA group size)."""
-    return self.num_heads // self.num_kv_heads
-
   def layer_attention(self, layer: int) -> str:
     """Attention kind of layer `layer` ("full" or "sliding")."""
     return self.attention_pattern[layer % len(self.attention_pattern)]
@@ -239,6 +234,25 @@ def get_preset(name: str) -> ModelConfig:
   except KeyError:
     raise ConfigError(
         f"unknown preset {name!r}; known presets: {sorted(PRESETS)}") from None
+
+
+def _to_json(x):
+  return [_to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _from_json(x):
+  return tuple(_from_json(v) for v in x) if isinstance(x, list) else x
+
+
+def config_to_dict(config) -> dict:
+  """A JSON-ready dict of a frozen config dataclass (tuples become lists)."""
+  return {f.name: _to_json(getattr(config, f.name))
+          for f in dataclasses.fields(config)}
+
+
+def config_from_dict(cls, d: dict):
+  """The inverse of config_to_dict (lists become tuples, validated again)."""
+  return cls(**{k: _from_json(v) for k, v in d.items()})
 
 
 def _parse_value(field: dataclasses.Field, current, text: str):

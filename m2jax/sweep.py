@@ -27,10 +27,11 @@ import os
 
 import numpy as np
 
-from m2jax.config import ConfigError, ModelConfig
+from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.eval import scoring, tasks as tasks_lib
 from m2jax.train import step as step_lib
+from m2jax.train.checkpoint import write_json
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
 from m2jax.train.metrics import read_metrics
@@ -147,13 +148,6 @@ def _data_config(sweep_dir: str, cfg: SweepConfig, seed: int) -> DataConfig:
                     batch_size=cfg.batch_size, seed=seed)
 
 
-def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
-
-
 def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
             sweep_dir: str, *, progress: bool = True) -> dict:
   """Train and score one (variant, seed); reuse its result if finished."""
@@ -201,7 +195,7 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
       "routing": {"load_cv": mean_of("router/load_cv"),
                   "load_max_over_mean": mean_of("router/load_max_over_mean")},
   }
-  _write_json(result_path, result)
+  write_json(result_path, result)
   return result
 
 
@@ -210,15 +204,12 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
   """Run every (variant, seed) of the grid; returns and writes results.json."""
   os.makedirs(sweep_dir, exist_ok=True)
   variants = make_grid(cfg.grid, base, window=cfg.window)
-  results = {"sweep": {k: list(v) if isinstance(v, tuple) else v
-                       for k, v in dataclasses.asdict(cfg).items()},
-             "base": {k: list(v) if isinstance(v, tuple) else v
-                      for k, v in dataclasses.asdict(base).items()},
+  results = {"sweep": config_to_dict(cfg), "base": config_to_dict(base),
              "variants": [v.name for v in variants], "runs": []}
   for variant in variants:
     for seed in cfg.seeds:
       log(f"[sweep {cfg.grid}] {variant.name} seed {seed}")
       results["runs"].append(run_one(base, variant, seed, cfg, sweep_dir,
                                      progress=progress))
-      _write_json(os.path.join(sweep_dir, "results.json"), results)
+      write_json(os.path.join(sweep_dir, "results.json"), results)
   return results

@@ -8,15 +8,11 @@ import os
 import jax
 
 from m2jax import model
-from m2jax.config import ModelConfig
+from m2jax.config import ModelConfig, config_from_dict
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
-
-
-def _tuples(x):
-  return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def load_configs(workdir: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
@@ -26,9 +22,9 @@ def load_configs(workdir: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
                             "--workdir?")
   with open(path, encoding="utf-8") as f:
     raw = json.load(f)
-  build = lambda cls, d: cls(**{k: _tuples(v) for k, v in d.items()})
-  return (build(ModelConfig, raw["model"]), build(TrainConfig, raw["train"]),
-          build(DataConfig, raw["data"]))
+  return (config_from_dict(ModelConfig, raw["model"]),
+          config_from_dict(TrainConfig, raw["train"]),
+          config_from_dict(DataConfig, raw["data"]))
 
 
 def load_run(workdir: str):

@@ -304,8 +304,3 @@ def sample_logprobs(logits_RxTxV, tokens_RxT, parent_RxT, sample_index_SxL):
   return gather_samples(token_logprobs(logits_RxTxV, tokens_RxT, parent_RxT),
                         sample_index_SxL)
 
-
-def sample_targets_valid(sample_index_SxL):
-  """[S, L] bool: tokens that have a prediction (1 <= l < length)."""
-  l = jnp.arange(sample_index_SxL.shape[1])[None]
-  return (sample_index_SxL >= 0) & (l >= 1)

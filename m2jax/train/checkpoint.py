@@ -10,7 +10,7 @@ from the run's is refused with the differing field named.
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import logging
 import os
 import time
@@ -19,20 +19,22 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from m2jax.config import ConfigError
+from m2jax.config import ConfigError, config_to_dict
 
 log = logging.getLogger(__name__)
 
 
-def config_dict(config) -> dict:
-  """A JSON-ready dict of a frozen config dataclass (tuples become lists)."""
-  return {k: list(v) if isinstance(v, tuple) else v
-          for k, v in dataclasses.asdict(config).items()}
+def write_json(path: str, obj) -> None:
+  """Write JSON atomically: a crash leaves the old file or the new one."""
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
 
 
 def check_same_config(saved: dict, config, what: str) -> None:
   """Raise ConfigError naming the first field where `config` != `saved`."""
-  current = config_dict(config)
+  current = config_to_dict(config)
   for field in sorted(set(saved) | set(current)):
     if saved.get(field) != current.get(field):
       raise ConfigError(

@@ -21,7 +21,6 @@ process 0 alone writes config.json, metrics and the sample.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -32,7 +31,7 @@ from tqdm import tqdm
 
 from m2jax import params as params_lib
 from m2jax import sharding
-from m2jax.config import ConfigError, ModelConfig
+from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
@@ -93,16 +92,6 @@ class _NoWriter:
     pass
 
 
-def _write_configs(workdir, mcfg, tcfg, dcfg):
-  path = os.path.join(workdir, "config.json")
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"model": ckpt_lib.config_dict(mcfg),
-               "train": ckpt_lib.config_dict(tcfg),
-               "data": ckpt_lib.config_dict(dcfg)}, f, indent=2)
-  os.replace(tmp, path)
-
-
 def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig, workdir: str, *, resume: bool = False,
              sample_prompt: str = "def ", sample_tokens: int = 64,
@@ -111,8 +100,9 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              expert_options=None) -> dict:
   """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
 
-  `stop_after` ends the loop early at that step (with a checkpoint); `init_variables` starts from given variables instead of a fresh
-  init (MTP growth); their buffers are donated to the first step.
+  `stop_after` ends the loop early at that step (with a checkpoint);
+  `init_variables` starts from given variables instead of a fresh init (MTP
+  growth); their buffers are donated to the first step.
   `should_stop(step, metrics)` is asked at every logged step; True saves a
   checkpoint and ends the run there (e.g. once a loss has settled).
   `mesh` shards the run (m2jax.sharding.make_mesh); `expert_options`
@@ -149,8 +139,10 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
     ckpt_lib.check_same_config(meta["model"], mcfg, "model config")
     ckpt_lib.check_same_config(meta["data"], dcfg, "data config")
     print(f"resumed from step {start} in {checkpointer.directory}")
+  meta = {"model": config_to_dict(mcfg), "train": config_to_dict(tcfg),
+          "data": config_to_dict(dcfg)}
   if primary:
-    _write_configs(workdir, mcfg, tcfg, dcfg)
+    ckpt_lib.write_json(os.path.join(workdir, "config.json"), meta)
 
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
@@ -162,9 +154,6 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
                                          expert_options=expert_options)
   writer = (MetricsWriter(workdir, resume_step=start if resume else None)
             if primary else _NoWriter())
-  meta = {"model": ckpt_lib.config_dict(mcfg),
-          "train": ckpt_lib.config_dict(tcfg),
-          "data": ckpt_lib.config_dict(dcfg)}
   flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
   peak = peak_flops()
   end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)

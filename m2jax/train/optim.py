@@ -44,6 +44,16 @@ def muon_dimension_numbers(params):
   return jax.tree_util.tree_map_with_path(rule, params)
 
 
+def is_frozen(config: TrainConfig, name: str) -> bool:
+  """Whether the top-level variable `name` stays fixed under `config`.
+
+  MTP growth (`mtp_only`) freezes the main model, embedding and head
+  included, and trains the `mtp_*` modules: their parameters here, their
+  routing bias in the train step.
+  """
+  return config.mtp_only and not name.startswith("mtp_")
+
+
 def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
@@ -64,9 +74,7 @@ def make_optimizer(config: TrainConfig, params) -> optax.GradientTransformation:
         muon_weight_dimension_numbers=muon_dimension_numbers(params))
   opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), opt)
   if config.mtp_only:
-    # MTP growth: the main model (embedding and head included) stays frozen.
-    labels = {k: ("train" if k.startswith("mtp_") else "frozen")
-              for k in params}
+    labels = {k: "frozen" if is_frozen(config, k) else "train" for k in params}
     opt = optax.multi_transform(
         {"train": opt, "frozen": optax.set_to_zero()}, labels)
   return opt

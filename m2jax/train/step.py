@@ -24,7 +24,7 @@ from m2jax.config import ModelConfig
 from m2jax.data.packing import next_token_targets
 from m2jax.train import losses, schedules
 from m2jax.train.config import TrainConfig
-from m2jax.train.optim import make_optimizer
+from m2jax.train.optim import is_frozen, make_optimizer
 
 
 class TrainState(NamedTuple):
@@ -65,20 +65,21 @@ def create_state(model_config: ModelConfig, train_config: TrainConfig,
                  out_shardings=shardings)(variables)
 
 
+def _variables(params, expert_bias) -> dict:
+  v = {"params": params}
+  if expert_bias:
+    v[model.EXPERT_BIAS] = expert_bias
+  return v
+
+
 def variables_of(state: TrainState) -> dict:
   """The model variables held by `state`."""
-  v = {"params": state.params}
-  if state.expert_bias:
-    v[model.EXPERT_BIAS] = state.expert_bias
-  return v
+  return _variables(state.params, state.expert_bias)
 
 
 def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
              tcfg: TrainConfig):
-  variables = {"params": params}
-  if expert_bias:
-    variables[model.EXPERT_BIAS] = expert_bias
-  out = model.forward(mcfg, variables, batch["tokens"],
+  out = model.forward(mcfg, _variables(params, expert_bias), batch["tokens"],
                       segment_ids=batch["segment_ids"],
                       positions=batch["positions"], mtp_depth=tcfg.mtp_depth)
   aux = mcfg.aux_loss_coef if tcfg.aux_loss_coef is None else tcfg.aux_loss_coef
@@ -100,9 +101,9 @@ def train_step(state: TrainState, batch, *, model_config: ModelConfig,
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
-  if train_config.mtp_only:  # the frozen main model keeps its routing too
-    bias = {k: (v if k.startswith("mtp_") else state.expert_bias[k])
-            for k, v in bias.items()}
+  # A frozen module keeps its routing too.
+  bias = {k: state.expert_bias[k] if is_frozen(train_config, k) else v
+          for k, v in bias.items()}
   metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
                  lr=schedules.learning_rate(train_config)(state.step))
   if out.routing is not None:
@@ -126,12 +127,17 @@ def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
           "bytes": jnp.sum(batch["num_bytes"])}
 
 
+def _step_fns(model_config: ModelConfig, train_config: TrainConfig):
+  """(train_step, eval_step) closed over the configs, not yet jitted."""
+  return (functools.partial(train_step, model_config=model_config,
+                            train_config=train_config),
+          functools.partial(eval_step, model_config=model_config,
+                            train_config=train_config))
+
+
 @functools.lru_cache(maxsize=8)
 def _jit_single_device(model_config: ModelConfig, train_config: TrainConfig):
-  train = functools.partial(train_step, model_config=model_config,
-                            train_config=train_config)
-  evaluate = functools.partial(eval_step, model_config=model_config,
-                               train_config=train_config)
+  train, evaluate = _step_fns(model_config, train_config)
   return jax.jit(train, donate_argnums=0), jax.jit(evaluate)
 
 
@@ -148,10 +154,7 @@ def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
     # The seed only matters for init: runs that differ by seed share one
     # compiled step (sweeps run several seeds per config).
     return _jit_single_device(model_config, train_config.replace(seed=0))
-  train = functools.partial(train_step, model_config=model_config,
-                            train_config=train_config)
-  evaluate = functools.partial(eval_step, model_config=model_config,
-                               train_config=train_config)
+  train, evaluate = _step_fns(model_config, train_config)
   state = sharding.state_shardings(model_config, train_config, mesh)
   batch, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
   train = jax.jit(train, in_shardings=(state, batch),
