@@ -33,6 +33,15 @@ from kernels import gmm_ref
 BACKENDS = ("auto", "xla", "pallas")
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
+# The kernels behind one jit each: every layer calling them with the same
+# shapes gets the same traced jaxpr, which JAX lowers once per program (a
+# shared function), so Mosaic builds and compiles each kernel once per train
+# step instead of once per layer and use.
+_STATIC = ("transpose_rhs", "out_dtype", "config", "interpret", "epilogue_fn")
+_mosaic_gmm = jax.jit(gmm_mosaic.gmm, static_argnames=_STATIC)
+_mosaic_tgmm = jax.jit(gmm_mosaic.tgmm,
+                       static_argnames=("out_dtype", "config", "interpret"))
+
 
 def _check_backend(backend):
   if backend not in BACKENDS:
@@ -89,16 +98,15 @@ def _fwd_kernel(mode, lhs, rhs, gs, out_dtype, transpose_rhs=False):
   if mode == "portable":
     return gmm_portable.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
                             out_dtype=out_dtype)
-  return gmm_mosaic.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
-                        out_dtype=out_dtype,
-                        interpret=mode == "mosaic_interpret")
+  return _mosaic_gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
+                     out_dtype=out_dtype, interpret=mode == "mosaic_interpret")
 
 
 def _tgmm_kernel(mode, lhs, grad, gs, out_dtype):
   if mode == "portable":
     return gmm_portable.tgmm(lhs, grad, gs, out_dtype=out_dtype)
-  return gmm_mosaic.tgmm(lhs, grad, gs, out_dtype=out_dtype,
-                         interpret=mode == "mosaic_interpret")
+  return _mosaic_tgmm(lhs, grad, gs, out_dtype=out_dtype,
+                      interpret=mode == "mosaic_interpret")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -193,9 +201,9 @@ def _swiglu_kernel(lhs, w1, w3, group_sizes, mode):
     a = gmm_portable.gmm(lhs, w1, group_sizes, out_dtype=f32)
     b = gmm_portable.gmm(lhs, w3, group_sizes, out_dtype=f32)
     return _swiglu_epilogue(a, b).astype(lhs.dtype)
-  return gmm_mosaic.gmm(lhs, w1, group_sizes, rhs2=w3,
-                        epilogue_fn=_swiglu_epilogue,
-                        interpret=mode == "mosaic_interpret")
+  return _mosaic_gmm(lhs, w1, group_sizes, rhs2=w3,
+                     epilogue_fn=_swiglu_epilogue,
+                     interpret=mode == "mosaic_interpret")
 
 
 def _swiglu_fwd(lhs, w1, w3, group_sizes, mode):
