@@ -41,6 +41,9 @@ flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
 flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
 flags.DEFINE_list("compare", ["data"], "Extra layouts at the largest count "
                   "(data: experts replicated, pure data parallel).")
+flags.DEFINE_list("all_to_all", ["ragged"], "Exchange implementations "
+                  "(expert_parallel.Options.all_to_all): the first for every "
+                  "count, the others again at the largest count.")
 flags.DEFINE_integer("chunks", 2, "Also run the largest count with each "
                      "device's tokens split into this many exchanges (0: no).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
@@ -73,6 +76,9 @@ def _runs():
   if FLAGS.chunks > 1 and n > 1:
     runs.append(dict(name=f"expert={n},chunks={FLAGS.chunks}", n=n,
                      mesh=f"expert={n}", chunks=FLAGS.chunks))
+  for impl in FLAGS.all_to_all[1:]:
+    runs.append(dict(name=f"expert={n},{impl}", n=n, mesh=f"expert={n}",
+                     all_to_all=impl))
   for layout in FLAGS.compare:
     runs.append(dict(name=f"{layout}={n}", n=n, mesh=f"{layout}={n}"))
   return runs
@@ -99,7 +105,9 @@ def _prepare(run, mcfg, tcfg, opts):
   batch = {k: jax.ShapeDtypeStruct((rows, FLAGS.seq_len), jnp.int32)
            for k in ("tokens", "segment_ids", "positions")}
   batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
-  opts = dataclasses.replace(opts, chunks=run.get("chunks", 1))
+  opts = dataclasses.replace(
+      opts, chunks=run.get("chunks", 1),
+      all_to_all=run.get("all_to_all", FLAGS.all_to_all[0]))
   train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh, expert_options=opts)
   if mesh is None:
     dev = jax.sharding.SingleDeviceSharding(devices[0])
@@ -240,6 +248,7 @@ def main(argv):
       tokens_per_gpu_per_step=FLAGS.seq_len * FLAGS.batch_per_gpu,
       capacity_factor=FLAGS.capacity_factor, steps=FLAGS.steps,
       warmup=FLAGS.warmup, optimizer=tcfg.optimizer, mtp_depth=tcfg.mtp_depth,
+      exchange_impl=FLAGS.all_to_all[0], xla_flags=os.environ.get("XLA_FLAGS"),
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)
