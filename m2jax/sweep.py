@@ -95,6 +95,7 @@ class SweepConfig:
   window: int = 256
   data: str = "synthetic"          # "synthetic", "stdlib" or a path/glob
   train_documents: int = 4000
+  drill_fraction: float = 0.0      # training documents that are drills
   eval_lengths: tuple[int, ...] = (128, 256, 512, 960)
   eval_tasks: tuple[str, ...] = tasks_lib.TASKS
   examples_per_point: int = 16
@@ -106,6 +107,9 @@ class SweepConfig:
                         f"(got {self.grid!r})")
     if not self.seeds:
       raise ConfigError("SweepConfig.seeds: need at least one seed")
+    if not 0.0 <= self.drill_fraction < 1.0:
+      raise ConfigError(f"SweepConfig.drill_fraction: must be in [0, 1) "
+                        f"(got {self.drill_fraction})")
     if min(self.eval_lengths) < tasks_lib.MIN_LENGTH:
       raise ConfigError(f"SweepConfig.eval_lengths: must be >= "
                         f"{tasks_lib.MIN_LENGTH} (got {self.eval_lengths})")
@@ -128,12 +132,15 @@ def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
   # every length scored later was seen in training.
   top = max(tasks_lib.MIN_LENGTH, cfg.seq_len - 32)
   lengths = sorted(set(np.linspace(tasks_lib.MIN_LENGTH, top, 8).astype(int)))
-  for path, n, seed in ((paths[0], cfg.train_documents, 0),
-                        (paths[1], max(64, cfg.train_documents // 20), 1)):
+  # Validation holds only the evaluated formats (no drills).
+  for path, n, seed, drills in (
+      (paths[0], cfg.train_documents, 0, cfg.drill_fraction),
+      (paths[1], max(64, cfg.train_documents // 20), 1, 0.0)):
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       for doc in tasks_lib.training_documents(n, lengths, seed=seed + 1,
-                                              tasks=cfg.eval_tasks):
+                                              tasks=cfg.eval_tasks,
+                                              drill_fraction=drills):
         f.write(json.dumps({"text": doc}) + "\n")
     os.replace(tmp, path)
   return tuple(paths)

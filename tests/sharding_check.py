@@ -30,11 +30,13 @@ from m2jax.train.config import TrainConfig  # pylint: disable=wrong-import-posit
 from m2jax.train.loop import pretrain  # pylint: disable=wrong-import-position
 from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-position
 
-# Mesh -> expert-parallel options (the last one also splits each device's
-# tokens into two exchanges).
+# Mesh (+ a label) -> expert-parallel options: "data=2,expert=2,tensor=2"
+# also splits each device's tokens into two exchanges, "slabs" exchanges
+# fixed-size per-peer slabs (worst-case size: nothing dropped).
 MESHES = {"data=8": None, "data=2,fsdp=2,expert=2": None,
           "fsdp=2,expert=4": None,
-          "data=2,expert=2,tensor=2": expert_parallel.Options(chunks=2)}
+          "data=2,expert=2,tensor=2": expert_parallel.Options(chunks=2),
+          "fsdp=2,expert=4 slabs": expert_parallel.Options(all_to_all="slabs")}
 # TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.
 MCFG = config_lib.TINY.replace(num_layers=1)
 # eps well above float32 noise: Adam's first steps are sign-like and would
@@ -79,7 +81,7 @@ def check_meshes(variables, batch, result):
   ref = fn(variables["params"], variables["expert_bias"], batch)
   for spec, opts in MESHES.items():
     t = time.time()
-    mesh = sharding.make_mesh(spec)
+    mesh = sharding.make_mesh(spec.split()[0])
     placed = sharding.place(variables,
                             sharding.variable_shardings(MCFG, mesh))
     fn = _fresh_jit()
@@ -156,12 +158,15 @@ def check_capacity(variables, batch, result):
   """A tiny capacity buffer drops rows and the counter sees them."""
   mesh = sharding.make_mesh("fsdp=2,expert=4")
   placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
-  opts = expert_parallel.Options(capacity_factor=0.25)
-  forward = jax.jit(lambda v, t: model.forward(MCFG, v, t))
-  with sharding.use_mesh(mesh, expert_options=opts):
-    out = forward(placed, sharding.shard_batch(batch, mesh)["tokens"])
-  result["capacity"] = {"dropped": int(out.routing.dropped.sum()),
-                        "logits_finite": bool(np.isfinite(out.logits).all())}
+  result["capacity"] = {}
+  for impl in ("dense", "slabs"):
+    opts = expert_parallel.Options(capacity_factor=0.25, all_to_all=impl)
+    forward = jax.jit(lambda v, t: model.forward(MCFG, v, t))
+    with sharding.use_mesh(mesh, expert_options=opts):
+      out = forward(placed, sharding.shard_batch(batch, mesh)["tokens"])
+    result["capacity"][impl] = {
+        "dropped": int(out.routing.dropped.sum()),
+        "logits_finite": bool(np.isfinite(out.logits).all())}
 
 
 def check_dense_all_to_all(result):

@@ -111,6 +111,28 @@ def test_all_to_all_plan_matches_simulation(seed):
       assert (kept.sum((1, 2)) == counts.sum(1)).all()  # nothing dropped
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_slab_plan_keeps_at_most_a_slab_per_pair(seed):
+  rng = np.random.default_rng(seed)
+  n, e, t, k = 4, 8, 12, 3
+  counts = rng.multinomial(t * k, np.full(e, 1 / e), size=n)
+  for slab in (expert_parallel.slab_rows(t, k, e, n, 0.0), 9, 4):
+    # Per pair, the first rows in expert order fit, the tail is dropped.
+    per = counts.reshape(n, n, e // n)
+    kept = np.clip(slab - (np.cumsum(per, -1) - per), 0, per)
+    for me in range(n):
+      p = expert_parallel.plan(counts, me, n * slab, slab=slab)
+      np.testing.assert_array_equal(p.kept_SxL, kept[:, me])
+      np.testing.assert_array_equal(p.send_sizes, kept[me].sum(-1))
+      np.testing.assert_array_equal(p.recv_sizes, kept[:, me].sum(-1))
+      np.testing.assert_array_equal(p.output_offsets, np.full(n, me * slab))
+      np.testing.assert_array_equal(p.recv_offsets, np.arange(n) * slab)
+      assert int(p.dropped) == counts[me].sum() - kept[me].sum()
+    if slab == expert_parallel.slab_rows(t, k, e, n, 0.0):
+      assert (kept.sum(-1) == per.sum(-1)).all()  # worst case: no drops
+  assert expert_parallel.slab_rows(t, k, e, n, 1.0) == 16  # ceil(9 / 8) * 8
+
+
 def test_worst_case_buffer_holds_the_worst_routing():
   # Every token of every device picks the same device's experts.
   n, e, t, k = 4, 16, 10, 3
@@ -142,7 +164,8 @@ def report():
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,expert=2",
-                                  "fsdp=2,expert=4", "data=2,expert=2,tensor=2"])
+                                  "fsdp=2,expert=4", "data=2,expert=2,tensor=2",
+                                  "fsdp=2,expert=4 slabs"])
 def test_sharded_forward_loss_and_grads_equal_one_device(report, mesh):
   r = report["meshes"][mesh]
   assert r["loss"] <= TOL and r["logits"] <= TOL and r["grads"] <= TOL, r
@@ -169,8 +192,9 @@ def test_checkpoint_restores_onto_another_mesh(report):
 def test_drop_counter_counts_only_real_drops(report):
   # Zero everywhere above (worst-case buffer); a quarter of the average
   # rows per device must drop some, and the output stays finite.
-  assert report["capacity"]["dropped"] > 0
-  assert report["capacity"]["logits_finite"]
+  for impl in ("dense", "slabs"):
+    assert report["capacity"][impl]["dropped"] > 0, impl
+    assert report["capacity"][impl]["logits_finite"], impl
 
 
 def test_exchange_primitives(report):

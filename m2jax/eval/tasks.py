@@ -17,7 +17,14 @@ match (m2jax.eval.scoring). Tasks:
                      mapping: the query key's value appears only in context.
 
 The same generators make training documents (`training_documents`) with
-seeds disjoint from evaluation's, so a model can learn the formats.
+seeds disjoint from evaluation's, so a model can learn the formats. A
+fraction of the training documents can be *drills* (`recall_drill`,
+`kv_drill`): the same needle and key -> value formats, but every fact is
+asked for, so a third of the document's tokens are retrieval targets instead
+of the few answer tokens of one question. Small models need that density to
+learn retrieval at all within a sweep's token budget (a 4-layer model
+trained on the evaluation formats alone never did; benchmarks/results/
+ablations/README.md). Drills are never evaluated.
 """
 
 from __future__ import annotations
@@ -150,6 +157,30 @@ def icl_kv(rng, length):
   return "\n".join(lines) + f"\n{q_key} ->", f" {q_val}\n"
 
 
+def recall_drill(rng, length):
+  """Needles in filler, then every needle asked for with its answer."""
+  n = max(2, length // 120)
+  keys = [_key(rng) for _ in range(n)]
+  values = [_number(rng) for _ in keys]
+  needles = [f"The magic number for {k} is {v}." for k, v in zip(keys, values)]
+  order = rng.sample(range(n), n)
+  qa = " ".join(f"What is the magic number for {keys[i]}? Answer: {values[i]}."
+                for i in order)
+  return _haystack(rng, needles, "", length - len(qa)).rstrip() + " " + qa
+
+
+def kv_drill(rng, length):
+  """key -> value pairs, then all of them again in another order."""
+  pairs, total = [], 0
+  while total < length // 2:
+    pairs.append((_key(rng, 5), _key(rng, 5)))
+    total += 14
+  again = rng.sample(pairs, len(pairs))
+  return "\n".join(f"{k} -> {v}" for k, v in pairs + again)
+
+
+DRILLS = {"recall_drill": recall_drill, "kv_drill": kv_drill}
+
 _GENERATORS = {
     "niah_single": niah_single, "niah_multikey": niah_multikey,
     "niah_multiquery": niah_multiquery, "cwe": cwe,
@@ -175,12 +206,20 @@ def eval_examples(task: str, length: int, n: int) -> list[Example]:
 
 
 def training_documents(n: int, lengths: list[int], seed: int = 0,
-                       tasks=TASKS) -> list[str]:
-  """`n` prompt+answer documents over `tasks` and `lengths` (train seeds)."""
+                       tasks=TASKS, drill_fraction: float = 0.0) -> list[str]:
+  """`n` documents over `lengths` (train seeds): prompt+answer of `tasks`,
+  and a `drill_fraction` of them drills (alternating `DRILLS`)."""
+  if not 0.0 <= drill_fraction < 1.0:
+    raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction}")
   rng = random.Random(seed)
+  drills = list(DRILLS.values())
   docs = []
   for i in range(n):
-    task = tasks[i % len(tasks)]
-    ex = generate(task, rng.choice(lengths), seed * n + i)
+    length = rng.choice(lengths)
+    if rng.random() < drill_fraction:
+      drill = drills[len(docs) % len(drills)]
+      docs.append(drill(random.Random(f"drill/{seed * n + i}"), length))
+      continue
+    ex = generate(tasks[i % len(tasks)], length, seed * n + i)
     docs.append(ex.prompt + ex.answer)
   return docs

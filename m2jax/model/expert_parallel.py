@@ -24,6 +24,14 @@ whole tail first, and counted: the drop counter of `RoutingStats.dropped`.
 CPU has no ragged all-to-all, so `all_to_all="dense"` (the default off GPU/TPU)
 emulates it exactly with a dense `all_to_all` of fixed-size slabs: the same
 plan, the same results, more bytes moved.
+
+`all_to_all="slabs"` is the fixed-shape exchange of GShard-style MoE: each
+(source, destination) pair gets a slab of S rows, S = capacity_factor x
+T_local x K / n_ep (worst case T_local x min(K, E / n_ep) when the factor is
+0), and one dense `all_to_all` moves n_ep x S rows per device: NCCL's
+all-to-all, several times faster on GPUs than XLA's ragged all-to-all
+(benchmarks/results/scaling/). Rows past a slab are dropped (tail first) and
+counted, as with the capacity buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import jax.numpy as jnp
 # Mesh axes this module reads (m2jax.sharding builds meshes with them).
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
-ALL_TO_ALL_IMPLS = ("auto", "ragged", "dense")
+ALL_TO_ALL_IMPLS = ("auto", "ragged", "dense", "slabs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +58,9 @@ class Options:
     can be dropped); c > 0 gives c * T_local * K rows, dropping and counting
     what does not fit.
   all_to_all: "ragged" (`jax.lax.ragged_all_to_all`; GPU/TPU), "dense"
-    (exact emulation by `jax.lax.all_to_all`; any backend), "auto" (ragged
-    unless the backend is CPU).
+    (exact emulation by `jax.lax.all_to_all`; any backend), "slabs" (one
+    fixed-size slab per peer, sized by capacity_factor; any backend), "auto"
+    (ragged unless the backend is CPU).
   chunks: split each device's tokens into this many independent exchanges
     (when T_local divides), so that one chunk's all-to-all can overlap
     another's grouped matmuls.
@@ -93,6 +102,7 @@ def options(opts: Options | None):
 
 
 def resolve_impl(impl: str) -> str:
+  """The exchange to trace: "auto" picks ragged off CPU."""
   if impl == "auto":
     return "dense" if jax.default_backend() == "cpu" else "ragged"
   return impl
@@ -105,6 +115,16 @@ def buffer_rows(tokens: int, top_k: int, num_experts: int, n_ep: int,
   if capacity_factor <= 0:
     return worst
   rows = int(-(-capacity_factor * tokens * top_k // 1))
+  return max(8, min(worst, -(-rows // 8) * 8))
+
+
+def slab_rows(tokens: int, top_k: int, num_experts: int, n_ep: int,
+              capacity_factor: float) -> int:
+  """Rows per (source, destination) slab of the "slabs" exchange (static)."""
+  worst = tokens * min(top_k, num_experts // n_ep)
+  if capacity_factor <= 0:
+    return worst
+  rows = int(-(-capacity_factor * tokens * top_k // n_ep))
   return max(8, min(worst, -(-rows // 8) * 8))
 
 
@@ -125,26 +145,36 @@ class Plan(NamedTuple):
   dropped: jax.Array          # rows of mine that did not fit (scalar)
 
 
-def plan(counts_SxE, me, capacity: int) -> Plan:
+def plan(counts_SxE, me, capacity: int, slab: int | None = None) -> Plan:
   """All-to-all plan of device `me` from every device's per-expert counts.
 
   counts_SxE[s, e]: rows device s routes to expert e (all n_ep devices).
   Destination d owns experts [d * L, (d + 1) * L). It receives sources in
   order s = 0..n-1, each source's rows grouped by expert; whatever would land
   past `capacity` is not sent (a tail of each source's chunk, so what is sent
-  stays contiguous). Pure integer arithmetic, the same on every device.
+  stays contiguous). With `slab`, source s's rows land at s * slab instead
+  and each (source, destination) pair keeps at most `slab` rows. Pure
+  integer arithmetic, the same on every device.
   """
   n, e = counts_SxE.shape
   per_SxDxL = counts_SxE.reshape(n, n, e // n)
-  # Rows arriving at d, in arrival order (source-major, then expert).
-  arrive_DxR = per_SxDxL.transpose(1, 0, 2).reshape(n, -1)
-  ends = jnp.cumsum(arrive_DxR, axis=1)
-  kept_DxR = jnp.clip(capacity - (ends - arrive_DxR), 0, arrive_DxR)
-  kept_SxDxL = kept_DxR.reshape(n, n, e // n).transpose(1, 0, 2)
+  if slab is None:
+    # Rows arriving at d, in arrival order (source-major, then expert).
+    arrive_DxR = per_SxDxL.transpose(1, 0, 2).reshape(n, -1)
+    ends = jnp.cumsum(arrive_DxR, axis=1)
+    kept_DxR = jnp.clip(capacity - (ends - arrive_DxR), 0, arrive_DxR)
+    kept_SxDxL = kept_DxR.reshape(n, n, e // n).transpose(1, 0, 2)
+  else:
+    ends = jnp.cumsum(per_SxDxL, axis=2)
+    kept_SxDxL = jnp.clip(slab - (ends - per_SxDxL), 0, per_SxDxL)
   sent_SxD = kept_SxDxL.sum(-1)
   full_SxD = per_SxDxL.sum(-1)
   starts_SxD = jnp.cumsum(full_SxD, axis=1) - full_SxD   # in the sender
-  landing_SxD = jnp.cumsum(sent_SxD, axis=0) - sent_SxD  # in the receiver
+  if slab is None:
+    landing_SxD = jnp.cumsum(sent_SxD, axis=0) - sent_SxD  # in the receiver
+  else:
+    landing_SxD = jnp.broadcast_to(
+        jnp.arange(n, dtype=sent_SxD.dtype)[:, None] * slab, (n, n))
   return Plan(
       input_offsets=starts_SxD[me],
       send_sizes=sent_SxD[me],
@@ -157,13 +187,16 @@ def plan(counts_SxE, me, capacity: int) -> Plan:
 
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes,
-                            output_offsets, recv_sizes, *, axis_name: str):
+                            output_offsets, recv_sizes, *, axis_name: str,
+                            slab: int | None = None):
   """`jax.lax.ragged_all_to_all` (one slice per peer) by a dense all_to_all.
 
-  Each peer's slice travels in a slab of min(len(operand), len(output)) rows,
-  so nothing is cut; differentiable through gathers, scatters and all_to_all.
+  Each peer's slice travels in a slab of `slab` rows (by default
+  min(len(operand), len(output)), so nothing is cut; a smaller slab needs
+  send_sizes <= slab); differentiable through gathers, scatters and
+  all_to_all.
   """
-  slab = min(operand.shape[0], output.shape[0])
+  slab = slab or min(operand.shape[0], output.shape[0])
   r = jnp.arange(slab, dtype=jnp.int32)
   src = input_offsets[:, None] + r[None, :]
   send_ok = r[None, :] < send_sizes[:, None]
@@ -178,10 +211,10 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes,
                                         mode="drop")
 
 
-def _all_to_all(impl, *args):
+def _all_to_all(impl, *args, slab=None):
   if impl == "ragged":
     return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
-  return dense_ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
+  return dense_ragged_all_to_all(*args, axis_name=EXPERT_AXIS, slab=slab)
 
 
 def permute(x, perm):
@@ -189,13 +222,19 @@ def permute(x, perm):
   return jnp.take(x, perm, axis=0, mode="clip", unique_indices=True)
 
 
-def _local_order(kept_SxL, rows: int):
-  """Permutation sorting the received buffer by local expert (tail last)."""
-  n, l = kept_SxL.shape
-  ends = jnp.cumsum(kept_SxL.reshape(-1))
-  seg = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32),
-                         side="right")
-  expert = jnp.where(seg < n * l, seg % l, l)
+def _local_order(kept_SxL, recv_offsets, rows: int):
+  """Permutation sorting the received buffer by local expert (gaps last).
+
+  Rows from source s start at recv_offsets[s] (ascending), grouped by local
+  expert with counts kept_SxL[s]; anything else in the buffer is padding.
+  """
+  l = kept_SxL.shape[1]
+  r = jnp.arange(rows, dtype=jnp.int32)
+  # Sources with no rows share the next one's offset: take the last match.
+  src = jnp.searchsorted(recv_offsets, r, side="right") - 1
+  within = r - recv_offsets[src]
+  ends_RxL = jnp.cumsum(kept_SxL, axis=1)[src]
+  expert = (within[:, None] >= ends_RxL).sum(-1)  # l: past the source's rows
   return jnp.argsort(expert, stable=True)
 
 
@@ -212,14 +251,15 @@ def exchange(x_sorted, sizes_E, experts_fn, *, top_k: int,
   """
   n_ep = jax.lax.axis_size(EXPERT_AXIS)
   rows = x_sorted.shape[0]
-  capacity = buffer_rows(rows // top_k, top_k, sizes_E.shape[0], n_ep,
-                         capacity_factor)
+  args = (rows // top_k, top_k, sizes_E.shape[0], n_ep, capacity_factor)
+  slab = slab_rows(*args) if impl == "slabs" else None
+  capacity = n_ep * slab if slab else buffer_rows(*args)
   counts = jax.lax.all_gather(sizes_E, EXPERT_AXIS)
-  p = plan(counts, jax.lax.axis_index(EXPERT_AXIS), capacity)
+  p = plan(counts, jax.lax.axis_index(EXPERT_AXIS), capacity, slab=slab)
   buf = jnp.zeros((capacity,) + x_sorted.shape[1:], x_sorted.dtype)
   x_recv = _all_to_all(impl, x_sorted, buf, p.input_offsets, p.send_sizes,
-                       p.output_offsets, p.recv_sizes)
-  local = _local_order(p.kept_SxL, capacity)
+                       p.output_offsets, p.recv_sizes, slab=slab)
+  local = _local_order(p.kept_SxL, p.recv_offsets, capacity)
   y_local = experts_fn(permute(x_recv, local),
                        p.kept_SxL.sum(0).astype(jnp.int32))
   # Back in the compute dtype: half the bytes on the wire in bf16.
@@ -228,5 +268,5 @@ def exchange(x_sorted, sizes_E, experts_fn, *, top_k: int,
   # rows for this device started in s's sorted order.
   y_sorted = _all_to_all(impl, y_recv, jnp.zeros_like(x_sorted),
                          p.recv_offsets, p.recv_sizes, p.return_offsets,
-                         p.send_sizes)
+                         p.send_sizes, slab=slab)
   return y_sorted, p.dropped.astype(jnp.int32)
