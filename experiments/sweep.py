@@ -29,6 +29,7 @@ flags.DEFINE_integer("train_documents", 4000, "Synthetic training documents.")
 flags.DEFINE_float("drill_fraction", 0.0, "Fraction of the synthetic "
                    "training documents that are retrieval drills (every fact "
                    "asked for; m2jax.eval.tasks.DRILLS).")
+flags.DEFINE_list("variants", [], "Arms of the grid to run (default: all).")
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
@@ -44,7 +45,7 @@ def main(argv):
       steps=FLAGS.steps, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
       learning_rate=FLAGS.learning_rate, window=FLAGS.window, data=FLAGS.data,
       train_documents=FLAGS.train_documents,
-      drill_fraction=FLAGS.drill_fraction,
+      drill_fraction=FLAGS.drill_fraction, variants=tuple(FLAGS.variants),
       eval_lengths=tuple(int(n) for n in FLAGS.eval_lengths),
       examples_per_point=FLAGS.examples_per_point)
   sweep_dir = FLAGS.sweep_dir or f"runs/sweep_{FLAGS.grid}"

@@ -96,6 +96,7 @@ class SweepConfig:
   data: str = "synthetic"          # "synthetic", "stdlib" or a path/glob
   train_documents: int = 4000
   drill_fraction: float = 0.0      # training documents that are drills
+  variants: tuple[str, ...] = ()   # arms of the grid to run (empty: all)
   eval_lengths: tuple[int, ...] = (128, 256, 512, 960)
   eval_tasks: tuple[str, ...] = tasks_lib.TASKS
   examples_per_point: int = 16
@@ -209,8 +210,15 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
 def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
               progress: bool = True, log=print) -> dict:
   """Run every (variant, seed) of the grid; returns and writes results.json."""
-  os.makedirs(sweep_dir, exist_ok=True)
   variants = make_grid(cfg.grid, base, window=cfg.window)
+  if cfg.variants:
+    names = [v.name for v in variants]
+    unknown = sorted(set(cfg.variants) - set(names))
+    if unknown:
+      raise ConfigError(f"SweepConfig.variants: {unknown} not in the "
+                        f"{cfg.grid} grid {names}")
+    variants = [v for v in variants if v.name in cfg.variants]
+  os.makedirs(sweep_dir, exist_ok=True)
   results = {"sweep": config_to_dict(cfg), "base": config_to_dict(base),
              "variants": [v.name for v in variants], "runs": []}
   for variant in variants:

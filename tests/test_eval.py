@@ -49,6 +49,28 @@ def test_eval_and_training_seeds_are_disjoint():
   assert not docs & evals
 
 
+def test_drills_ask_for_every_fact_they_state():
+  import random
+  import re
+  doc = tasks.recall_drill(random.Random(3), 600)
+  facts = dict(re.findall(r"The magic number for (\w+) is (\d+)\.", doc))
+  asked = re.findall(r"What is the magic number for (\w+)\? Answer: (\d+)\.",
+                     doc)
+  assert len(facts) == 600 // 120 and dict(asked) == facts
+  assert doc.index("What is") > max(doc.index(v) for v in facts.values())
+  lines = tasks.kv_drill(random.Random(4), 300).splitlines()
+  half = len(lines) // 2
+  assert sorted(lines[:half]) == sorted(lines[half:]) and half >= 10
+  docs = tasks.training_documents(200, [256], seed=0, drill_fraction=0.5)
+  n_drills = sum("Answer: " in d and d.count("What is") > 1
+                 or d.count(" -> ") > 2 * len(d) // 40 for d in docs)
+  assert 60 < n_drills < 140
+  assert tasks.training_documents(50, [256], drill_fraction=0.0) == \
+      tasks.training_documents(50, [256])
+  with pytest.raises(ValueError, match="drill_fraction"):
+    tasks.training_documents(5, [256], drill_fraction=1.0)
+
+
 def test_exact_match_agrees_with_greedy_decoding():
   v = model.init(CFG, jax.random.key(0))
   rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ BASE = config_lib.apply_overrides(config_lib.TINY, [
     "moe_intermediate_size=16", "num_mtp_modules=0"])
 
 
-def test_grids_hold_their_promises():
+def test_grids_hold_their_promises(tmp_path):
   fine, coarse = sweep.make_grid("experts", BASE, window=64)
   c = BASE.replace(**coarse.model)
   # Equal active and total expert parameters.
@@ -32,6 +32,12 @@ def test_grids_hold_their_promises():
     sweep.make_grid("nope", BASE, window=64)
   with pytest.raises(ConfigError, match="eval_lengths"):
     sweep.SweepConfig(grid="mtp", seq_len=128, eval_lengths=(128,))
+  with pytest.raises(ConfigError, match="drill_fraction"):
+    sweep.SweepConfig(grid="mtp", drill_fraction=1.5)
+  with pytest.raises(ConfigError, match=r"\['mtp_9'\] not in the mtp grid"):
+    sweep.run_sweep(BASE, sweep.SweepConfig(grid="mtp", variants=("mtp_9",)),
+                    str(tmp_path / "never"), log=lambda _: None)
+  assert not (tmp_path / "never").exists()
 
 
 def test_cpu_sweep_end_to_end(tmp_path):
