@@ -1,7 +1,12 @@
 """Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
 
-  NCCL_NVLS_ENABLE=0 python -m experiments.bench_scaling --preset=m2_small \
-      --gpus=1,2,4 --out=benchmarks/results/scaling.json
+  NCCL_NVLS_ENABLE=0 \
+  XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true \
+  python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
+      --all_to_all=ragged,slabs --out=benchmarks/results/scaling/run.json
+
+(experiments/bench_all_to_all.py picks the XLA flags; notes and results:
+benchmarks/notes/scaling.md, benchmarks/results/scaling/.)
 
 The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
 random tokens with the mesh expert=n (n = 1: the plain single-device path,
@@ -55,7 +60,8 @@ flags.DEFINE_float("capacity_factor", 1.5, "Expert-parallel buffer in "
                    "n x the average at m2_small: too much memory at n=4).")
 flags.DEFINE_bool("checks", True, "Run the GPU correctness check and the "
                   "all-to-all timing.")
-flags.DEFINE_string("out", "benchmarks/results/scaling.json", "JSON output.")
+flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
+                    "JSON output.")
 flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
                      "many seconds (the JSON keeps what finished).")
 
