@@ -14,26 +14,30 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 DIR=/tmp/sweep_$GRID
-run() {
-  python3 -m experiments.sweep --grid=$GRID --variants=$VARIANTS --preset=tiny \
-    --override=compute_dtype=bfloat16 --override=hidden_size=256 \
+SEEDS=${SEEDS:-0,1}  # SEEDS=0: one seed only
+START=$(date +%s)
+DEADLINE=$(( START + ${BUDGET_S:-540} ))
+run() {  # run SEEDS [more sweep flags]: one resumable sweep invocation
+  local seeds=$1 left=$(( DEADLINE - $(date +%s) ))
+  shift
+  (( left > 0 )) || return 0
+  timeout $left python3 -m experiments.sweep --grid=$GRID --variants=$VARIANTS \
+    --preset=tiny --override=compute_dtype=bfloat16 --override=hidden_size=256 \
     --override=num_layers=4 --override=num_heads=8 --override=num_kv_heads=4 \
     --override=head_dim=32 --override=rotary_dim=16 \
     --override=moe_intermediate_size=256 --override=num_mtp_modules=0 \
     --steps=$STEPS --seq_len=1024 --batch_size=32 --learning_rate=3e-3 \
     --window=128 --eval_lengths=128,256,512,960 --examples_per_point=32 \
-    --train_documents=60000 --drill_fraction=0.5 --sweep_dir=$DIR "$@" 2>&1 \
-    | tr '\r' '\n' | grep -E '^\[sweep|Error|error' | tail -20
+    --train_documents=60000 --drill_fraction=0.5 --sweep_dir=$DIR \
+    --seeds=$seeds "$@" 2>&1 | tr '\r' '\n' | grep -E '^\[sweep|Error|error' | tail -20
 }
-START=$(date +%s)
-SEEDS=${SEEDS:-0,1}  # SEEDS=0: one seed only
-timeout ${BUDGET_S:-540} bash -c "$(declare -f run); GRID=$GRID VARIANTS=$VARIANTS \
-  STEPS=$STEPS DIR=$DIR; run --seeds=0 $*; run --seeds=$SEEDS $*"
+run 0 "$@"
+run "$SEEDS" "$@"
 echo "sweep took $(( $(date +%s) - START )) s"
 mkdir -p $OUT/$GRID
 cp $DIR/results.json $OUT/$GRID/ 2>/dev/null
-for d in $DIR/runs/*/seed*; do
-  mkdir -p $OUT/$GRID/${d#$DIR/}; cp $d/metrics.jsonl $OUT/$GRID/${d#$DIR/}/ 2>/dev/null
+for d in $DIR/runs/*/seed*; do  # flat names: deep folders do not come back
+  v=${d#$DIR/runs/}; cp $d/metrics.jsonl $OUT/$GRID/metrics_${v/\//_}.jsonl
 done
 python3 -c "
 import json; r = json.load(open('$DIR/results.json'))

@@ -16,10 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import statistics
-import time
 
 from absl import app, flags
+
+from experiments import exchange_timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gpus", 4, "GPUs in the exchange.")
@@ -39,53 +39,10 @@ VARIANTS = {
 }
 
 
-def _time(fn, x, reps=20):
-  for _ in range(3):
-    y = fn(x)
-  y.block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 1e3 * statistics.median(times)
-
-
 def _child(variant):
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  n, rows, width = FLAGS.gpus, FLAGS.rows, FLAGS.width
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
-  part = rows // n
-
-  def ragged(x):
-    me = jax.lax.axis_index("x")
-    sizes = jnp.full((n,), part, jnp.int32)
-    offsets = jnp.arange(n, dtype=jnp.int32) * part
-    return jax.lax.ragged_all_to_all(
-        x, jnp.zeros_like(x), offsets, sizes,
-        jnp.full((n,), me * part, jnp.int32), sizes, axis_name="x")
-
-  def dense(x):
-    return jax.lax.all_to_all(x.reshape(n, part, width), "x", 0, 0
-                              ).reshape(rows, width)
-
-  body = dense if variant.startswith("dense") else ragged
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"),
-                             out_specs=P("x")))
-  x = jax.device_put(
-      jnp.arange(n * rows * width, dtype=jnp.float32).reshape(n * rows, width)
-      .astype(jnp.bfloat16), NamedSharding(mesh, P("x")))
-  ms = _time(fn, x)
-  # Correctness: GPU d's block s must be GPU s's block d.
-  y = jax.device_get(fn(x)).reshape(n, n, part, width)
-  xs = jax.device_get(x).reshape(n, n, part, width)
-  ok = bool((y == xs.transpose(1, 0, 2, 3)).all())
-  moved = rows * width * 2 * (n - 1) / n
-  print(json.dumps(dict(variant=variant, flags=VARIANTS[variant],
-                        ms=round(ms, 3), correct=ok,
-                        gb_per_s_per_gpu=round(moved / ms / 1e6, 1))))
+  rec = exchange_timing.time_exchange(FLAGS.gpus, FLAGS.rows, FLAGS.width,
+                      dense=variant.startswith("dense"))
+  print(json.dumps(dict(variant=variant, flags=VARIANTS[variant], **rec)))
 
 
 def main(argv):

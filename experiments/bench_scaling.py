@@ -23,15 +23,14 @@ kernels), and one ragged all-to-all of a layer's rows timed alone.
 import dataclasses
 import json
 import os
-import statistics
 import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
+from experiments import exchange_timing
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
@@ -170,8 +169,8 @@ def _measure(run, prep, mcfg):
   return out
 
 
-def _check_exchange(n):
-  """Sharded (expert=n, ragged_all_to_all) vs one device, small model."""
+def _check_exchange(n, impl):
+  """Sharded (expert=n, exchange `impl`, dropless) vs one device, small model."""
   out = {}
   for name, over in (("float32_xla", dict(compute_dtype="float32")),
                      ("bf16_pallas", dict(compute_dtype="bfloat16",
@@ -192,7 +191,7 @@ def _check_exchange(n):
     mesh = sharding.make_mesh(f"expert={n}", jax.devices()[:n])
     placed = sharding.place(variables, sharding.variable_shardings(cfg, mesh))
     with sharding.use_mesh(mesh, expert_options=expert_parallel.Options(
-        all_to_all="ragged")):
+        all_to_all=impl)):
       (got, load), g = fn()(placed, sharding.shard_batch(
           {"t": tokens}, mesh)["t"])
     rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32))
@@ -203,38 +202,6 @@ def _check_exchange(n):
                      load_equal=bool((np.asarray(load) == np.asarray(ref_load))
                                      .all()))
   return out
-
-
-def _time_all_to_all(n, rows, width):
-  """One ragged all-to-all of `rows` bf16 rows of `width` per GPU, split
-  evenly over n GPUs (a MoE layer's dispatch at m2_small sizes)."""
-  mesh = sharding.make_mesh(f"expert={n}", jax.devices()[:n])
-  part = rows // n
-
-  def body(x):
-    me = jax.lax.axis_index("expert")
-    sizes = jnp.full((n,), part, jnp.int32)
-    offsets = jnp.arange(n, dtype=jnp.int32) * part
-    return jax.lax.ragged_all_to_all(
-        x, jnp.zeros_like(x), offsets, sizes,
-        jnp.full((n,), me * part, jnp.int32), sizes, axis_name="expert")
-
-  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"),
-                             out_specs=P("expert")))
-  x = jax.device_put(jnp.ones((n * rows, width), jnp.bfloat16),
-                     jax.sharding.NamedSharding(mesh, P("expert")))
-  for _ in range(3):
-    y = fn(x)
-  y.block_until_ready()
-  times = []
-  for _ in range(20):
-    t = time.perf_counter()
-    fn(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  ms = 1e3 * statistics.median(times)
-  moved = rows * width * 2 * (n - 1) / n
-  return dict(rows=rows, width=width, ms=round(ms, 3),
-              gb_per_s_per_gpu=round(moved / ms / 1e6, 1))
 
 
 def main(argv):
@@ -284,7 +251,9 @@ def main(argv):
 
   if FLAGS.checks and jax.device_count() > 1:
     try:
-      result["exchange_check"] = _check_exchange(max(r["n"] for r in runs))
+      result["exchange_check"] = {
+          impl: _check_exchange(max(r["n"] for r in runs), impl)
+          for impl in FLAGS.all_to_all}
     except Exception as e:  # pylint: disable=broad-except
       result["exchange_check"] = f"{type(e).__name__}: {str(e)[:400]}"
     _write(result)
@@ -292,7 +261,8 @@ def main(argv):
     n = max(r["n"] for r in runs)
     rows = FLAGS.batch_per_gpu * FLAGS.seq_len * mcfg.num_experts_per_tok
     try:
-      result["all_to_all"] = _time_all_to_all(n, rows, mcfg.hidden_size)
+      result["all_to_all"] = exchange_timing.time_exchange(
+          n, rows, mcfg.hidden_size)
       # Forward: dispatch + return; backward: the same two again.
       layers = mcfg.num_layers + 1  # + the MTP block
       result["all_to_all"]["per_step_ms_estimate"] = round(

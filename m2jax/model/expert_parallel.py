@@ -228,13 +228,13 @@ def _local_order(kept_SxL, recv_offsets, rows: int):
   Rows from source s start at recv_offsets[s] (ascending), grouped by local
   expert with counts kept_SxL[s]; anything else in the buffer is padding.
   """
-  l = kept_SxL.shape[1]
   r = jnp.arange(rows, dtype=jnp.int32)
   # Sources with no rows share the next one's offset: take the last match.
   src = jnp.searchsorted(recv_offsets, r, side="right") - 1
   within = r - recv_offsets[src]
   ends_RxL = jnp.cumsum(kept_SxL, axis=1)[src]
-  expert = (within[:, None] >= ends_RxL).sum(-1)  # l: past the source's rows
+  # L (= local experts) for rows past the source's rows: they sort last.
+  expert = (within[:, None] >= ends_RxL).sum(-1)
   return jnp.argsort(expert, stable=True)
 
 
