@@ -175,6 +175,12 @@ def _lists(se, seg, bq, bk, transpose=False):
 
 # ---------------------------------------------------------- custom VJP -----
 
+# Each kernel behind one jit: every layer calling it with the same shapes
+# shares one traced jaxpr, lowered once per program (as in kernels/gmm.py).
+_fwd_kernel = jax.jit(_pallas.forward, static_argnames=("scale", "cfg"))
+_dq_kernel = jax.jit(_pallas.backward_dq, static_argnames=("scale", "cfg"))
+_dkv_kernel = jax.jit(_pallas.backward_dkv, static_argnames=("scale", "cfg"))
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, se, seg, scale, cfg):
   return _forward(q, k, v, se, seg, scale, cfg)[0]
@@ -182,8 +188,7 @@ def _attention(q, k, v, se, seg, scale, cfg):
 
 def _forward(q, k, v, se, seg, scale, cfg):
   lists, counts = _lists(se, seg, cfg.block_q, cfg.block_k)
-  return _pallas.forward(q, k, v, se, seg, lists, counts, scale=scale,
-                         cfg=cfg)
+  return _fwd_kernel(q, k, v, se, seg, lists, counts, scale=scale, cfg=cfg)
 
 
 def _attention_fwd(q, k, v, se, seg, scale, cfg):
@@ -198,10 +203,10 @@ def _attention_bwd(scale, cfg, res, do):
   dq_lists = _lists(se, seg, cfg.block_q_dq, cfg.block_k_dq)
   dkv_lists = _lists(se, seg, cfg.block_q_dkv, cfg.block_k_dkv,
                      transpose=True)
-  dq = _pallas.backward_dq(q, k, v, do, lse, delta, se, seg, *dq_lists,
-                           scale=scale, cfg=cfg)
-  dk, dv = _pallas.backward_dkv(q, k, v, do, lse, delta, se, seg, *dkv_lists,
-                                scale=scale, cfg=cfg)
+  dq = _dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,
+                  cfg=cfg)
+  dk, dv = _dkv_kernel(q, k, v, do, lse, delta, se, seg, *dkv_lists,
+                       scale=scale, cfg=cfg)
   return dq, dk, dv, None, None
 
 

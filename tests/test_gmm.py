@@ -174,3 +174,34 @@ def test_auto_uses_reference_off_gpu():
   out = gmm_lib.gmm(jnp.asarray(lhs, f32), jnp.asarray(rhs, f32),
                     jnp.asarray(sizes))  # f32, K % 128 != 0: reference only
   assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-5
+
+
+def test_layers_share_one_lowered_kernel_per_shape(monkeypatch):
+  # Cross-lower a train step for CUDA (Mosaic GPU lowering needs no GPU): the
+  # kernels sit behind one jit each, so 3 layers emit as many Mosaic kernels
+  # as 1 layer does instead of 3x as many.
+  from m2jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from m2jax import model  # pylint: disable=import-outside-toplevel
+  from m2jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  from m2jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(gmm_lib, "_on_gpu", lambda: True)
+
+  def kernels_in_step(layers):
+    mcfg = config_lib.TINY.replace(
+        num_layers=layers, hidden_size=128, moe_intermediate_size=128,
+        compute_dtype="bfloat16", gmm_backend="pallas", num_mtp_modules=0,
+        attention_impl="xla")
+    tcfg = TrainConfig(steps=10, mtp_depth=0)
+    state = jax.eval_shape(
+        lambda key: step_lib.init_state(tcfg, model.init(mcfg, key)),
+        jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32)
+             for k in ("tokens", "segment_ids", "positions")}
+    batch["num_bytes"] = jax.ShapeDtypeStruct((2,), jnp.int32)
+    train, _ = step_lib.jit_steps(mcfg, tcfg)
+    text = train.trace(state, batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return text.count("custom_call @mosaic_gpu")
+
+  one, three = kernels_in_step(1), kernels_in_step(3)
+  assert one > 0 and three == one, (one, three)
