@@ -53,16 +53,20 @@ def main(argv):
   for name, xla_flags in VARIANTS.items():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench_all_to_all",
-         f"--variant={name}", f"--gpus={FLAGS.gpus}", f"--rows={FLAGS.rows}",
-         f"--width={FLAGS.width}"], env=env, capture_output=True, text=True,
-        timeout=240, check=False)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    rec = (json.loads(lines[-1]) if lines else
-           dict(variant=name, flags=xla_flags,
-                error=proc.stderr.strip().splitlines()[-1][:300]
-                if proc.stderr.strip() else f"exit {proc.returncode}"))
+    try:
+      proc = subprocess.run(
+          [sys.executable, "-m", "experiments.bench_all_to_all",
+           f"--variant={name}", f"--gpus={FLAGS.gpus}", f"--rows={FLAGS.rows}",
+           f"--width={FLAGS.width}"], env=env, capture_output=True, text=True,
+          timeout=240, check=False)
+    except subprocess.TimeoutExpired:  # a hung mode must not cost the others
+      rec = dict(variant=name, flags=xla_flags, error="timed out after 240 s")
+    else:
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+      rec = (json.loads(lines[-1]) if lines else
+             dict(variant=name, flags=xla_flags,
+                  error=proc.stderr.strip().splitlines()[-1][:300]
+                  if proc.stderr.strip() else f"exit {proc.returncode}"))
     results.append(rec)
     print(json.dumps(rec), flush=True)
   ragged = [r for r in results if r["variant"].startswith("ragged")

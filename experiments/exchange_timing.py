@@ -23,6 +23,8 @@ def _time(fn, x, reps=20):
 def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
   """Median ms of one exchange of `rows` bf16 rows of `width` per GPU, split
   evenly over n GPUs (ragged all-to-all, or dense all_to_all), checked."""
+  if rows % n:
+    raise ValueError(f"rows={rows} must divide by the {n} GPUs")
   mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
   part = rows // n
 
@@ -40,9 +42,13 @@ def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
 
   fn = jax.jit(jax.shard_map(dense_ if dense else ragged, mesh=mesh,
                              in_specs=P("x"), out_specs=P("x")))
+  # Each row carries its global index in base 256 in its first three
+  # columns: exact in bf16, so a row landing anywhere else is caught.
+  r = jnp.arange(n * rows, dtype=jnp.int32)[:, None]
+  digits = jnp.concatenate([r % 256, r // 256 % 256, r // 65536], axis=1)
   x = jax.device_put(
-      jnp.arange(n * rows * width, dtype=jnp.float32).reshape(n * rows, width)
-      .astype(jnp.bfloat16), NamedSharding(mesh, P("x")))
+      jnp.pad(digits, ((0, 0), (0, width - 3))).astype(jnp.bfloat16),
+      NamedSharding(mesh, P("x")))
   ms = _time(fn, x)
   # Correctness: GPU d's block s must be GPU s's block d.
   y = jax.device_get(fn(x)).reshape(n, n, part, width)

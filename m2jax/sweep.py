@@ -219,12 +219,58 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
                         f"{cfg.grid} grid {names}")
     variants = [v for v in variants if v.name in cfg.variants]
   os.makedirs(sweep_dir, exist_ok=True)
+  _check_same_sweep(sweep_dir, base, cfg)
   results = {"sweep": config_to_dict(cfg), "base": config_to_dict(base),
              "variants": [v.name for v in variants], "runs": []}
-  for variant in variants:
-    for seed in cfg.seeds:
-      log(f"[sweep {cfg.grid}] {variant.name} seed {seed}")
-      results["runs"].append(run_one(base, variant, seed, cfg, sweep_dir,
-                                     progress=progress))
-      write_json(os.path.join(sweep_dir, "results.json"), results)
+  planned = [(v, seed) for v in variants for seed in cfg.seeds]
+
+  def write_finished():
+    # Every finished run of the plan, in plan order: a killed invocation
+    # still lists the runs earlier invocations finished.
+    results["runs"] = [r for r in (_finished_run(sweep_dir, v.name, seed)
+                                   for v, seed in planned) if r is not None]
+    write_json(os.path.join(sweep_dir, "results.json"), results)
+
+  write_finished()
+  for variant, seed in planned:
+    log(f"[sweep {cfg.grid}] {variant.name} seed {seed}")
+    run_one(base, variant, seed, cfg, sweep_dir, progress=progress)
+    write_finished()
   return results
+
+
+def _finished_run(sweep_dir: str, variant: str, seed: int) -> dict | None:
+  path = os.path.join(sweep_dir, "runs", variant, f"seed{seed}", "result.json")
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+# Fields that may differ between invocations on one sweep directory: which
+# arms and seeds to run now. Everything else decides what a finished run means.
+_SELECTION_FIELDS = ("seeds", "variants")
+
+
+def _check_same_sweep(sweep_dir: str, base: ModelConfig, cfg: SweepConfig):
+  """Refuse to mix runs (and data) of different sweeps in one directory."""
+  path = os.path.join(sweep_dir, "sweep.json")
+  now = {"sweep": {k: v for k, v in config_to_dict(cfg).items()
+                   if k not in _SELECTION_FIELDS},
+         "base": config_to_dict(base)}
+  now = json.loads(json.dumps(now))  # tuples -> lists, as stored
+  if not os.path.exists(path):
+    write_json(path, now)
+    return
+  with open(path, encoding="utf-8") as f:
+    before = json.load(f)
+  for part in ("sweep", "base"):
+    changed = sorted(k for k in set(now[part]) | set(before[part])
+                     if now[part].get(k) != before[part].get(k))
+    if changed:
+      name = "SweepConfig" if part == "sweep" else "base ModelConfig"
+      raise ConfigError(
+          f"{sweep_dir} holds a sweep with a different {name}: "
+          + ", ".join(f"{k}={before[part].get(k)!r} there, "
+                      f"{now[part].get(k)!r} now" for k in changed)
+          + "; use another --sweep_dir")

@@ -1,7 +1,9 @@
 """A CPU-sized ablation sweep end to end: runs, resume, report."""
 
+import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 
@@ -40,7 +42,7 @@ def test_grids_hold_their_promises(tmp_path):
   assert not (tmp_path / "never").exists()
 
 
-def test_cpu_sweep_end_to_end(tmp_path):
+def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   cfg = sweep.SweepConfig(grid="gating", seeds=(0, 1), steps=4, seq_len=160,
                           batch_size=2, eval_lengths=(128,),
                           examples_per_point=2, train_documents=40,
@@ -63,6 +65,13 @@ def test_cpu_sweep_end_to_end(tmp_path):
   assert os.path.getmtime(done) == mtime
   assert again["runs"] == results["runs"]
 
+  # A different sweep config is refused in the same directory.
+  with pytest.raises(ConfigError, match="drill_fraction=0.0 there, 0.5 now"):
+    sweep.run_sweep(BASE, dataclasses.replace(cfg, drill_fraction=0.5), d,
+                    log=lambda _: None)
+  with pytest.raises(ConfigError, match="base ModelConfig: num_layers"):
+    sweep.run_sweep(BASE.replace(num_layers=1), cfg, d, log=lambda _: None)
+
   paths = report.write_report(json.load(open(os.path.join(d, "results.json"))),
                               d)
   text = open(paths["report"]).read()
@@ -73,3 +82,22 @@ def test_cpu_sweep_end_to_end(tmp_path):
   for key in ("loss_curves", "context_scores"):
     with open(paths[key], "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+  # Seed 0 of every arm finished, seed 1 of none; the next invocation is
+  # killed in its first new run: results.json still lists every finished run
+  # (not only those before the kill in plan order).
+  for v in ("sigmoid_bias", "softmax_aux"):
+    shutil.rmtree(os.path.join(d, "runs", v, "seed1"))
+  real_run_one = sweep.run_one
+
+  def killed_at_seed_1(base, variant, seed, *args, **kwargs):
+    if seed == 1:
+      raise KeyboardInterrupt
+    return real_run_one(base, variant, seed, *args, **kwargs)
+
+  monkeypatch.setattr(sweep, "run_one", killed_at_seed_1)
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run_sweep(BASE, cfg, d, progress=False, log=lambda _: None)
+  on_disk = json.load(open(os.path.join(d, "results.json")))
+  assert [(r["variant"], r["seed"]) for r in on_disk["runs"]] == [
+      ("sigmoid_bias", 0), ("softmax_aux", 0)]

@@ -171,10 +171,8 @@ def recall_drill(rng, length):
 
 def kv_drill(rng, length):
   """key -> value pairs, then all of them again in another order."""
-  pairs, total = [], 0
-  while total < length // 2:
-    pairs.append((_key(rng, 5), _key(rng, 5)))
-    total += 14
+  pairs = [(_key(rng, 5), _key(rng, 5))
+           for _ in range(max(2, (length + 1) // 30))]  # 2 lines of 15
   again = rng.sample(pairs, len(pairs))
   return "\n".join(f"{k} -> {v}" for k, v in pairs + again)
 
@@ -216,7 +214,9 @@ def training_documents(n: int, lengths: list[int], seed: int = 0,
   docs = []
   for i in range(n):
     length = rng.choice(lengths)
-    if rng.random() < drill_fraction:
+    # No draw without drills: the documents of drill_fraction=0 stay those
+    # of earlier versions (and earlier sweeps' validation sets).
+    if drill_fraction and rng.random() < drill_fraction:
       drill = drills[len(docs) % len(drills)]
       docs.append(drill(random.Random(f"drill/{seed * n + i}"), length))
       continue
