@@ -93,3 +93,16 @@ def test_exact_match_agrees_with_greedy_decoding():
     encoded.append((prompt, wrong))                    # one token off
   got = scoring.exact_match_tokens(CFG, v, encoded, pad_id=0, batch_size=4)
   np.testing.assert_array_equal(got, [True, False] * 3)
+
+
+def test_recall_check_batches_query_listed_values():
+  from experiments import recall_check  # pylint: disable=import-outside-toplevel
+  batch, mask = recall_check.recall_batch(np.random.default_rng(0), 3, 5)
+  for row, m in zip(batch["tokens"], mask):
+    text = bytes(row[1:].tolist()).decode()
+    listed = dict(p.split(":") for p in text.split()[:5])
+    queried = text.split()[5:]
+    assert sorted(queried) == sorted(f"{k}:{v}" for k, v in listed.items())
+    # The mask marks exactly the queried value digits.
+    assert bytes(row[m].tolist()).decode() == "".join(
+        q.split(":")[1] for q in queried)

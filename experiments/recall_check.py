@@ -1,0 +1,101 @@
+"""Can a model config learn content-based retrieval? Associative recall.
+
+  python -m experiments.recall_check --pairs=4 --steps=1500 \
+      --override=hidden_size=128 --override=num_layers=2
+
+Each sequence lists `pairs` random two-letter keys with two-digit values
+("ab:12 cd:34 ..."), then every key again in a new order with its value: the
+second occurrence of each value can only be predicted by finding its key
+earlier in the sequence (induction-style retrieval, the skill behind the
+needle-in-a-haystack tasks of m2jax.eval). Trains the jitted train step on
+fresh sequences and prints the accuracy on the queried value digits (0.1 is
+chance). A quick check of whether a sweep's model can retrieve at all before
+spending GPU time on it (benchmarks/results/ablations/README.md).
+"""
+
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.train import step as step_lib
+from m2jax.train.config import TrainConfig
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "tiny", "Base model preset.")
+flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
+flags.DEFINE_integer("pairs", 4, "Key-value pairs per sequence.")
+flags.DEFINE_integer("steps", 1000, "Training steps.")
+flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
+flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
+flags.DEFINE_integer("eval_every", 200, "Steps between accuracy checks.")
+flags.DEFINE_integer("seed", 0, "Data and init seed.")
+
+_COLON, _SPACE, _BOS = ord(":"), ord(" "), 1
+
+
+def recall_batch(rng, batch_size: int, pairs: int):
+  """(batch dict, mask of the queried value tokens [B, T])."""
+  rows, masks = [], []
+  for _ in range(batch_size):
+    keys = set()
+    while len(keys) < pairs:
+      keys.add(tuple(rng.integers(ord("a"), ord("z") + 1, 2)))
+    keys = list(keys)
+    values = [tuple(rng.integers(ord("0"), ord("9") + 1, 2)) for _ in keys]
+    tokens, mask = [_BOS], [0]
+    for k, v in zip(keys, values):
+      tokens += [*k, _COLON, *v, _SPACE]
+      mask += [0] * 6
+    for i in rng.permutation(pairs):
+      tokens += [*keys[i], _COLON, *values[i], _SPACE]
+      mask += [0, 0, 0, 1, 1, 0]
+    rows.append(tokens)
+    masks.append(mask)
+  tokens = np.asarray(rows, np.int32)
+  B, T = tokens.shape
+  batch = {"tokens": tokens, "segment_ids": np.ones((B, T), np.int32),
+           "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+           "num_bytes": np.full((B,), T, np.int32)}
+  return batch, np.asarray(masks, bool)
+
+
+def recall_accuracy(mcfg, variables, batch, mask) -> float:
+  logits = model.logits(mcfg, variables, batch["tokens"],
+                        segment_ids=batch["segment_ids"])
+  pred = np.asarray(jnp.argmax(logits, -1))
+  hit = pred[:, :-1] == batch["tokens"][:, 1:]
+  return float(hit[mask[:, 1:]].mean())
+
+
+def main(argv):
+  del argv
+  mcfg = config_lib.apply_overrides(
+      config_lib.get_preset(FLAGS.preset),
+      ["num_mtp_modules=0"] + FLAGS.override)
+  tcfg = TrainConfig(steps=FLAGS.steps, learning_rate=FLAGS.learning_rate,
+                     warmup_steps=min(20, FLAGS.steps), mtp_depth=0,
+                     seed=FLAGS.seed)
+  state = step_lib.init_state(tcfg, model.init(mcfg,
+                                               jax.random.key(FLAGS.seed)))
+  train, _ = step_lib.jit_steps(mcfg, tcfg)
+  rng = np.random.default_rng(FLAGS.seed)
+  held_out = recall_batch(np.random.default_rng(FLAGS.seed + 10**6),
+                          FLAGS.batch_size, FLAGS.pairs)
+  start = time.time()
+  for i in range(FLAGS.steps):
+    state, metrics = train(state, recall_batch(rng, FLAGS.batch_size,
+                                               FLAGS.pairs)[0])
+    if (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
+      acc = recall_accuracy(mcfg, step_lib.variables_of(state), *held_out)
+      print(f"step {i + 1}: loss {float(metrics['loss']):.3f}, recall "
+            f"accuracy {acc:.3f} (chance 0.100), {time.time() - start:.0f} s",
+            flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
