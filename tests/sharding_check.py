@@ -169,6 +169,78 @@ def check_capacity(variables, batch, result):
         "logits_finite": bool(np.isfinite(out.logits).all())}
 
 
+def _expected_exchange(sizes_SxE, n, slab, capacity):
+  """Which sorted rows of each device survive the exchange (numpy model).
+
+  Destination d owns experts [d * L, (d + 1) * L). Slabs: each (source, d)
+  pair keeps its first `slab` rows; otherwise d keeps the first `capacity`
+  rows arriving source by source."""
+  e = sizes_SxE.shape[1]
+  l = e // n
+  per_SxD = sizes_SxE.reshape(n, n, l).sum(-1)
+  if slab:
+    kept_SxD = np.minimum(per_SxD, slab)
+  else:
+    kept_SxD = np.zeros_like(per_SxD)
+    for d in range(n):
+      room = capacity
+      for src in range(n):
+        kept_SxD[src, d] = min(per_SxD[src, d], room)
+        room -= kept_SxD[src, d]
+  keep = []
+  for src in range(n):
+    expert = np.repeat(np.arange(e), sizes_SxE[src])
+    dest = expert // l
+    first_of_dest = np.concatenate([[0], np.cumsum(per_SxD[src])[:-1]])
+    within = np.arange(len(expert)) - first_of_dest[dest]
+    keep.append((within < kept_SxD[src, dest], expert))
+  return keep
+
+
+def check_exchange_values(result):
+  """exchange() with small buffers: every kept row comes back through its
+  own expert, every dropped row as zeros, and the counts agree."""
+  n, e, tokens, k, d = 4, 8, 24, 2, 8
+  mesh = jax.make_mesh((n,), ("expert",), (jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  rng = np.random.default_rng(0)
+  # Skewed routing: some (source, destination) pairs far above average.
+  sizes = np.stack([rng.multinomial(tokens * k, rng.dirichlet(np.full(e, .4)))
+                    for _ in range(n)]).astype(np.int32)
+  x = rng.normal(size=(n, tokens * k, d)).astype(np.float32)
+  result["exchange_values"] = {}
+  for impl, factor in (("slabs", 0.5), ("slabs", 0.0), ("dense", 0.5)):
+
+    def body(x_sorted, sizes_e):
+      x_sorted, sizes_e = x_sorted[0], sizes_e[0]
+      me = jax.lax.axis_index("expert")
+
+      def experts_fn(rows, local_sizes):  # row * (global expert id + 1)
+        local = jnp.searchsorted(jnp.cumsum(local_sizes),
+                                 jnp.arange(rows.shape[0]), side="right")
+        return rows * (me * (e // n) + local + 1)[:, None].astype(rows.dtype)
+
+      y, dropped = expert_parallel.exchange(
+          x_sorted, sizes_e, experts_fn, top_k=k, capacity_factor=factor,
+          impl=impl)
+      return y[None], dropped[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("expert"),
+                               out_specs=P("expert")))
+    y, dropped = (np.asarray(a) for a in fn(x, sizes))
+    slab = (expert_parallel.slab_rows(tokens, k, e, n, factor)
+            if impl == "slabs" else None)
+    capacity = expert_parallel.buffer_rows(tokens, k, e, n, factor)
+    err, drops = 0.0, []
+    for src, (keep, expert) in enumerate(_expected_exchange(sizes, n, slab,
+                                                            capacity)):
+      want = np.where(keep[:, None], x[src] * (expert[:, None] + 1), 0)
+      err = max(err, float(np.abs(y[src] - want).max()))
+      drops.append(int((~keep).sum()))
+    result["exchange_values"][f"{impl}@{factor}"] = {
+        "max_err": err, "dropped": dropped.tolist(), "want_dropped": drops}
+
+
 def check_dense_all_to_all(result):
   """The CPU emulation reproduces ragged_all_to_all's documented example."""
   mesh = jax.make_mesh((2,), ("expert",), (jax.sharding.AxisType.Auto,),
@@ -211,6 +283,7 @@ def main():
   check_capacity(variables, batch, result)
   result["t_cap"] = round(time.time() - t, 1)
   check_dense_all_to_all(result)
+  check_exchange_values(result)
   check_ragged_lowering(variables, batch, result)
   result["t_ragged"] = round(time.time() - t, 1)
   result["seconds"] = round(time.time() - start, 1)
