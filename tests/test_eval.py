@@ -106,3 +106,8 @@ def test_recall_check_batches_query_listed_values():
     # The mask marks exactly the queried value digits.
     assert bytes(row[m].tolist()).decode() == "".join(
         q.split(":")[1] for q in queried)
+
+
+def test_scoring_pads_to_powers_of_two():
+  assert [scoring.padded_length(n) for n in (1, 128, 129, 300, 1024, 1025)] \
+      == [128, 128, 256, 512, 1024, 2048]
