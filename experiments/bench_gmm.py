@@ -102,14 +102,12 @@ class Checker:
                 tgmm=self("tgmm", dw))
 
 
-def _candidates(impl, mode, t, proj, sweep_peers, best):
+def _candidates(impl, mode, proj, sweep_peers, best):
   """[(name, config description, fn)] for one implementation and mode."""
   if impl == "dense":
     return [("dense", "", gb.dense_fwd() if mode == "fwd" else
              gb.dense_fwdbwd())]
-  if impl == "xla":
-    if t > _XLA_MAX_T.value:  # recorded as skipped by main()
-      return []
+  if impl == "xla":  # main() skips (and records) sizes past --xla_max_tokens
     return [("xla", "", gb.xla_fwd() if mode == "fwd" else gb.xla_fwdbwd())]
   if impl == "tokamax":
     # Sweep the forward; forward+backward uses the fastest forward config.
@@ -223,7 +221,7 @@ def main(argv):
               continue
             if sweep_peers:
               _pick_best(results["records"], t, proj, routing, best)
-            cands = _candidates(impl, mode, t, proj, sweep_peers, best)
+            cands = _candidates(impl, mode, proj, sweep_peers, best)
             for name, desc, fn in cands:
               rec = dict(tokens=t, proj=proj, routing=routing, K=k, N=n,
                          flops=flops, impl=impl)

@@ -28,6 +28,7 @@ import numpy as np
 
 from kernels import tree_attention as ta
 from kernels import tree_attention_bench as tb
+from kernels.timing import time_fn
 from m2jax import config as config_lib
 from m2jax import model
 from m2jax.rl import cispo
@@ -136,7 +137,7 @@ def _time_attention(results):
              "live_fraction_of_causal": live / causal}
       for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
         try:
-          t = tb.time_fn(jax.jit(fn), q, k, v, do, reps=_REPS.value)
+          t = time_fn(jax.jit(fn), q, k, v, do, reps=_REPS.value)
           row[f"{mode}_ms"] = t * 1e3
           row[f"{mode}_tflops"] = tb.attention_flops(
               entries, N, H, mode == "fwdbwd") / t / 1e12
@@ -250,7 +251,7 @@ def _time_layout(step, params, trees, rng):
   rows = [jax.device_put(r) for r in _rows(trees, rng)]
   jax.block_until_ready(step(params, rows[0]))
   reps = 3 if len(rows) <= 4 else 1
-  return sum(tb.time_fn(step, params, row, reps=reps, warmup=0)
+  return sum(time_fn(step, params, row, reps=reps, warmup=0)
              for row in rows)
 
 

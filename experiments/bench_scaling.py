@@ -34,6 +34,7 @@ from experiments import exchange_timing
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
+from m2jax.data import single_document_batch
 from m2jax.model import expert_parallel
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -91,11 +92,7 @@ def _runs():
 
 def _batch(rows, seq_len, vocab, seed):
   rng = np.random.default_rng(seed)
-  return {"tokens": rng.integers(0, vocab, (rows, seq_len), dtype=np.int32),
-          "segment_ids": np.ones((rows, seq_len), np.int32),
-          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32),
-                                       (rows, seq_len)).copy(),
-          "num_bytes": np.full((rows,), seq_len, np.int32)}
+  return single_document_batch(rng.integers(0, vocab, (rows, seq_len)))
 
 
 def _prepare(run, mcfg, tcfg, opts):

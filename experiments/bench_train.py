@@ -22,6 +22,7 @@ import numpy as np
 
 from m2jax import config as config_lib
 from m2jax import model, params
+from m2jax.data import single_document_batch
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import peak_flops
@@ -58,11 +59,8 @@ def bench(backend: str) -> dict:
   print(f"{backend}: init {time.perf_counter() - t:.1f} s", flush=True)
   B, T = FLAGS.batch_size, FLAGS.seq_len
   rng = np.random.default_rng(0)
-  batches = [{
-      "tokens": rng.integers(0, mcfg.vocab_size, (B, T), dtype=np.int32),
-      "segment_ids": np.ones((B, T), np.int32),
-      "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
-      "num_bytes": np.full((B,), T, np.int32)} for _ in range(4)]
+  batches = [single_document_batch(rng.integers(0, mcfg.vocab_size, (B, T)))
+             for _ in range(4)]
   batches = [jax.device_put(b) for b in batches]
   try:
     t = time.perf_counter()

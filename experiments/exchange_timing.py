@@ -1,23 +1,10 @@
 """Timing one expert-parallel exchange on n GPUs (experiments/bench_*)."""
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-
-def _time(fn, x, reps=20):
-  for _ in range(3):
-    y = fn(x)
-  y.block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    fn(x).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 1e3 * statistics.median(times)
+from kernels.timing import time_fn
 
 
 def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
@@ -49,7 +36,7 @@ def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
   x = jax.device_put(
       jnp.pad(digits, ((0, 0), (0, width - 3))).astype(jnp.bfloat16),
       NamedSharding(mesh, P("x")))
-  ms = _time(fn, x)
+  ms = 1e3 * time_fn(fn, x, reps=20, warmup=3)
   # Correctness: GPU d's block s must be GPU s's block d.
   y = jax.device_get(fn(x)).reshape(n, n, part, width)
   xs = jax.device_get(x).reshape(n, n, part, width)

@@ -22,6 +22,7 @@ import numpy as np
 
 from m2jax import config as config_lib
 from m2jax import model
+from m2jax.data import single_document_batch
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 
@@ -56,12 +57,7 @@ def recall_batch(rng, batch_size: int, pairs: int):
       mask += [0, 0, 0, 1, 1, 0]
     rows.append(tokens)
     masks.append(mask)
-  tokens = np.asarray(rows, np.int32)
-  B, T = tokens.shape
-  batch = {"tokens": tokens, "segment_ids": np.ones((B, T), np.int32),
-           "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
-           "num_bytes": np.full((B,), T, np.int32)}
-  return batch, np.asarray(masks, bool)
+  return single_document_batch(rows), np.asarray(masks, bool)
 
 
 def recall_accuracy(mcfg, variables, batch, mask) -> float:

@@ -52,12 +52,12 @@ def _on_gpu():
   return jax.default_backend() == "gpu"
 
 
-def _pallas_supported(lhs, k, n):
+def _pallas_supported(lhs, k, n, n_multiple):
   # K % 128: the weight-gradient kernel tiles K by 128 output rows.
-  return lhs.dtype in _KERNEL_DTYPES and k % 128 == 0 and n % 64 == 0
+  return lhs.dtype in _KERNEL_DTYPES and k % 128 == 0 and n % n_multiple == 0
 
 
-def _mode(backend, interpret, lhs, k, n):
+def _mode(backend, interpret, lhs, k, n, n_multiple=64):
   """The implementation: xla, mosaic, mosaic_interpret or portable."""
   _check_backend(backend)
   if backend == "xla":
@@ -67,11 +67,12 @@ def _mode(backend, interpret, lhs, k, n):
   if interpret:
     return "mosaic_interpret"
   if backend == "auto":
-    return "mosaic" if _on_gpu() and _pallas_supported(lhs, k, n) else "xla"
-  if not _pallas_supported(lhs, k, n):
+    supported = _pallas_supported(lhs, k, n, n_multiple)
+    return "mosaic" if _on_gpu() and supported else "xla"
+  if not _pallas_supported(lhs, k, n, n_multiple):
     raise ValueError(
         f"gmm backend='pallas' needs bf16/f16 inputs with K % 128 == 0 and "
-        f"N % 64 == 0; got {lhs.dtype}, K={k}, N={n}")
+        f"N % {n_multiple} == 0; got {lhs.dtype}, K={k}, N={n}")
   if _on_gpu():
     return "mosaic"
   if interpret is None:
@@ -180,8 +181,8 @@ def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto", interpret=None):
   if w1.shape != w3.shape:
     raise ValueError(f"gmm_swiglu: w1 {w1.shape} and w3 {w3.shape} differ")
   # The fused kernel takes 128 columns of each weight per work item.
-  n = w1.shape[2] if w1.shape[2] % 128 == 0 else 1
-  mode = _mode(backend, interpret, lhs, w1.shape[1], n)
+  mode = _mode(backend, interpret, lhs, w1.shape[1], w1.shape[2],
+               n_multiple=128)
   if mode == "xla":
     f32 = jnp.float32
     a = gmm_ref.gmm_ref(lhs, w1, group_sizes, preferred_element_type=f32)

@@ -214,9 +214,8 @@ def _store_rows(src_at, dst, row0, lo, count):
       size //= 2
 
 
-def _epilogue(acc, out_smem, wg, dst_cols, row0, lo, count, epilogue_fn):
+def _epilogue(val, out_smem, wg, dst_cols, row0, lo, count):
   """Writes rows [lo, lo+count) of a warpgroup's [64, n] result to gmem."""
-  val = acc if epilogue_fn is None else epilogue_fn(acc)
   val = val.astype(out_smem.dtype)
   n_out, slots, epi_n = val.shape[1], out_smem.shape[1], out_smem.shape[-1]
   chunks = n_out // epi_n
@@ -302,7 +301,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   """Grouped matmul on Hopper. rhs is [G, K, N] ([G, N, K] if transpose_rhs).
 
   With `rhs2` (same shape as rhs) and `epilogue_fn`, each work item computes
-  `epilogue_fn(concat(lhs@rhs[:, :, cols], lhs@rhs2[:, :, cols]))`: the fused
+  `epilogue_fn(lhs@rhs[:, :, cols], lhs@rhs2[:, :, cols])`: the fused
   SwiGLU path (tile_n/2 columns from each weight, output tile_n/2 wide).
   """
   m, k = lhs.shape
@@ -315,14 +314,15 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
         f"gmm: contraction mismatch lhs {lhs.shape} rhs {rhs.shape}")
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   fused = rhs2 is not None
+  if fused != (epilogue_fn is not None):
+    raise ValueError("gmm: rhs2 and epilogue_fn go together (the fused "
+                     "two-weight product and what combines it)")
   cfg = config or pick_config(2 * n if fused else n, k)
   tn, tk, stages = cfg.tile_n, cfg.tile_k, cfg.stages
   wn = tn // 2 if fused else tn  # columns of each weight per work item
   if n % wn or k % tk:
     raise ValueError(f"gmm: tile {cfg} does not divide N={n}, K={k}")
-  n_out_tile = wn if fused else tn
   epi_n = _epi_cols(out_dtype)
-  out_n = n
   num_sms = _num_sms(interpret)
   n_tiles_n = n // wn
   k_steps = k // tk
@@ -344,7 +344,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
         a_smem=_swizzled((stages, cfg.tile_m, tk), lhs.dtype),
         b_smem=_swizzled(b_shape, rhs.dtype),
         out_smem=_out_smem(out_dtype,
-                           _out_slots(n_out_tile, out_dtype, ring)),
+                           _out_slots(wn, out_dtype, ring)),
         produced=plgpu.Barrier(num_arrivals=3 if fused else 2,
                                num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS,
@@ -400,7 +400,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
           my_lo = jnp.clip(lo - wg * _HALF, 0, _HALF)
           my_rows = jnp.clip(hi - wg * _HALF, 0, _HALF) - my_lo
 
-          def mma_one(acc_ref, src, kk, slot):
+          def mma_one(acc_ref, src, slot):
             b = src.at[slot]
             if transpose_rhs:
               b = b.T
@@ -412,27 +412,25 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
 
           def acc_scope(acc_ref, acc2_ref=None):
             def mma(kk, slot):
-              mma_one(acc_ref, b_smem, kk, slot)
+              del kk
+              mma_one(acc_ref, b_smem, slot)
               if fused:
-                mma_one(acc2_ref, b2_smem, kk, slot)
+                mma_one(acc2_ref, b2_smem, slot)
             _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
             if fused:
               return acc_ref[...], acc2_ref[...]
             return acc_ref[...]
 
           if fused:
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)),
-                                plgpu.ACC((_HALF, wn)))
-            val = epilogue_fn(*acc)
-            fn = None
+            val = epilogue_fn(*pl.run_scoped(
+                acc_scope, plgpu.ACC((_HALF, wn)), plgpu.ACC((_HALF, wn))))
           else:
-            val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, tn)))
-            fn = epilogue_fn
+            val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)))
 
           def dst_cols(c):
-            return out_ref.at[:, pl.ds(nt * n_out_tile + c * epi_n, epi_n)]
+            return out_ref.at[:, pl.ds(nt * wn + c * epi_n, epi_n)]
           _epilogue(val, out_smem, wg, dst_cols, row0 + wg * _HALF, my_lo,
-                    my_rows, fn)
+                    my_rows)
           return step + nsteps
         lax.fori_loop(0, my_count, work, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -443,7 +441,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   if fused:
     operands.append(rhs2)
   call = _kernel_call(body,
-                      jax.ShapeDtypeStruct((m + m_pad, out_n), out_dtype),
+                      jax.ShapeDtypeStruct((m + m_pad, n), out_dtype),
                       interpret=interpret, cfg=cfg)
   out = call(*operands)
   return out[:m] if m_pad else out
@@ -552,7 +550,7 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
           def dst_cols(c):
             return out_ref.at[grp, :, pl.ds(nt * tn + c * epi_n, epi_n)]
           _epilogue(val, out_smem, wg, dst_cols, kt * tm + wg * _HALF,
-                    0, jnp.int32(_HALF), None)
+                    0, jnp.int32(_HALF))
           return step + nsteps
         lax.fori_loop(0, my_count, work, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -40,7 +40,7 @@ import numpy as np
 
 from kernels import tree_attention_pallas as _pallas
 
-_NEG = -0.7 * float(np.finfo(np.float32).max)
+_NEG = _pallas._NEG  # pylint: disable=protected-access
 # Segment id given to the padding that rounds T up to the block size.
 _PAD_SEGMENT = np.iinfo(np.int32).min
 

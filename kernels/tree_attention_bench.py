@@ -1,15 +1,13 @@
 """Benchmark pieces for tree attention (used by experiments/bench_prefix_tree.py).
 
-Tree layouts, the candidates wrapped to one calling convention, a device
-timer and the error metric. A candidate is `(q, k, v, do) -> out` (forward)
-or `-> (out, dq, dk, dv)` (forward+backward). FLOPs count live entries only:
-4 * N * H per visible (query, key) pair forward, x3.5 forward+backward.
+Tree layouts, the candidates wrapped to one calling convention and the
+error metric (the timer is kernels/timing.py). A candidate is
+`(q, k, v, do) -> out` (forward) or `-> (out, dq, dk, dv)` (forward+backward).
+FLOPs count live entries only: 4 * N * H per visible (query, key) pair
+forward, x3.5 forward+backward.
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -87,15 +85,3 @@ def rel_err(got, want) -> float:
   got = jnp.asarray(got, jnp.float32)
   want = jnp.asarray(want, jnp.float32)
   return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-
-
-def time_fn(f, *args, reps: int = 10, warmup: int = 2) -> float:
-  """Median seconds per call of an already-jitted `f` (synchronised)."""
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)

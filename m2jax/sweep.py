@@ -159,11 +159,10 @@ def _data_config(sweep_dir: str, cfg: SweepConfig, seed: int) -> DataConfig:
 def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
             sweep_dir: str, *, progress: bool = True) -> dict:
   """Train and score one (variant, seed); reuse its result if finished."""
-  run_dir = os.path.join(sweep_dir, "runs", variant.name, f"seed{seed}")
-  result_path = os.path.join(run_dir, "result.json")
-  if os.path.exists(result_path):
-    with open(result_path, encoding="utf-8") as f:
-      return json.load(f)
+  finished = _finished_run(sweep_dir, variant.name, seed)
+  if finished is not None:
+    return finished
+  run_dir = _run_dir(sweep_dir, variant.name, seed)
   mcfg = base.replace(**variant.model)
   tcfg = TrainConfig(**{"steps": cfg.steps, "seed": seed,
                         "learning_rate": cfg.learning_rate,
@@ -203,7 +202,7 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
       "routing": {"load_cv": mean_of("router/load_cv"),
                   "load_max_over_mean": mean_of("router/load_max_over_mean")},
   }
-  write_json(result_path, result)
+  write_json(os.path.join(run_dir, "result.json"), result)
   return result
 
 
@@ -239,8 +238,12 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
   return results
 
 
+def _run_dir(sweep_dir: str, variant: str, seed: int) -> str:
+  return os.path.join(sweep_dir, "runs", variant, f"seed{seed}")
+
+
 def _finished_run(sweep_dir: str, variant: str, seed: int) -> dict | None:
-  path = os.path.join(sweep_dir, "runs", variant, f"seed{seed}", "result.json")
+  path = os.path.join(_run_dir(sweep_dir, variant, seed), "result.json")
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
@@ -258,7 +261,6 @@ def _check_same_sweep(sweep_dir: str, base: ModelConfig, cfg: SweepConfig):
   now = {"sweep": {k: v for k, v in config_to_dict(cfg).items()
                    if k not in _SELECTION_FIELDS},
          "base": config_to_dict(base)}
-  now = json.loads(json.dumps(now))  # tuples -> lists, as stored
   if not os.path.exists(path):
     write_json(path, now)
     return

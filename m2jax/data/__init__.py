@@ -10,7 +10,8 @@
 
 from m2jax.data.config import DataConfig
 from m2jax.data.corpus import Documents, hash_fraction, split_documents
-from m2jax.data.packing import next_token_targets, target_bytes
+from m2jax.data.packing import (next_token_targets, single_document_batch,
+                                 target_bytes)
 from m2jax.data.pipeline import (
     bytes_per_token,
     make_dataset,
@@ -37,6 +38,7 @@ __all__ = [
     "make_iterator",
     "make_tokenizer",
     "next_token_targets",
+    "single_document_batch",
     "split_documents",
     "target_bytes",
 ]

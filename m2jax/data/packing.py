@@ -97,6 +97,18 @@ def finish_batch(packed: dict[str, np.ndarray], *, batch_size: int,
   }
 
 
+def single_document_batch(tokens_BxT) -> dict[str, np.ndarray]:
+  """A train-step batch whose every row is one whole document (benchmarks,
+  synthetic tasks): segment 1 everywhere, positions 0..T-1, one byte a token.
+  """
+  tokens_BxT = np.asarray(tokens_BxT, np.int32)
+  B, T = tokens_BxT.shape
+  return {"tokens": tokens_BxT,
+          "segment_ids": np.ones((B, T), np.int32),
+          "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+          "num_bytes": np.full((B,), T, np.int32)}
+
+
 def restore_state_types(state: Any) -> Any:
   """Undoes what a JSON round trip does to a grain iterator state.
 

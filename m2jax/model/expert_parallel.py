@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from typing import NamedTuple
 
@@ -108,24 +109,26 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
+def _rows(worst: int, wanted: float, capacity_factor: float) -> int:
+  """`worst` rows, or `wanted` rounded up to a multiple of 8 (at least 8,
+  at most worst) when a capacity factor is set."""
+  if capacity_factor <= 0:
+    return worst
+  return max(8, min(worst, -(-math.ceil(wanted) // 8) * 8))
+
+
 def buffer_rows(tokens: int, top_k: int, num_experts: int, n_ep: int,
                 capacity_factor: float) -> int:
   """Rows of the receive buffer on one device (static)."""
-  worst = n_ep * tokens * min(top_k, num_experts // n_ep)
-  if capacity_factor <= 0:
-    return worst
-  rows = int(-(-capacity_factor * tokens * top_k // 1))
-  return max(8, min(worst, -(-rows // 8) * 8))
+  return _rows(n_ep * tokens * min(top_k, num_experts // n_ep),
+               capacity_factor * tokens * top_k, capacity_factor)
 
 
 def slab_rows(tokens: int, top_k: int, num_experts: int, n_ep: int,
               capacity_factor: float) -> int:
   """Rows per (source, destination) slab of the "slabs" exchange (static)."""
-  worst = tokens * min(top_k, num_experts // n_ep)
-  if capacity_factor <= 0:
-    return worst
-  rows = int(-(-capacity_factor * tokens * top_k // n_ep))
-  return max(8, min(worst, -(-rows // 8) * 8))
+  return _rows(tokens * min(top_k, num_experts // n_ep),
+               capacity_factor * tokens * top_k / n_ep, capacity_factor)
 
 
 class Plan(NamedTuple):
@@ -188,13 +191,15 @@ def plan(counts_SxE, me, capacity: int, slab: int | None = None) -> Plan:
 
 def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes,
                             output_offsets, recv_sizes, *, axis_name: str,
-                            slab: int | None = None):
+                            slab: int | None = None, landing=None):
   """`jax.lax.ragged_all_to_all` (one slice per peer) by a dense all_to_all.
 
   Each peer's slice travels in a slab of `slab` rows (by default
   min(len(operand), len(output)), so nothing is cut; a smaller slab needs
   send_sizes <= slab); differentiable through gathers, scatters and
-  all_to_all.
+  all_to_all. `landing` [n]: where each peer's slice lands here, when the
+  caller knows it (the exchange plan does); otherwise the peers' output
+  offsets are exchanged too.
   """
   slab = slab or min(operand.shape[0], output.shape[0])
   r = jnp.arange(slab, dtype=jnp.int32)
@@ -204,17 +209,19 @@ def dense_ragged_all_to_all(operand, output, input_offsets, send_sizes,
   send_ok = send_ok.reshape(send_ok.shape + (1,) * (operand.ndim - 1))
   rows = jnp.where(send_ok, rows, jnp.zeros((), operand.dtype))
   got = jax.lax.all_to_all(rows, axis_name, 0, 0)
-  landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  if landing is None:
+    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
   dst = landing[:, None] + r[None, :]
   dst = jnp.where(r[None, :] < recv_sizes[:, None], dst, output.shape[0])
   return output.at[dst.reshape(-1)].set(got.reshape(-1, *got.shape[2:]),
                                         mode="drop")
 
 
-def _all_to_all(impl, *args, slab=None):
+def _all_to_all(impl, *args, slab=None, landing=None):
   if impl == "ragged":
     return jax.lax.ragged_all_to_all(*args, axis_name=EXPERT_AXIS)
-  return dense_ragged_all_to_all(*args, axis_name=EXPERT_AXIS, slab=slab)
+  return dense_ragged_all_to_all(*args, axis_name=EXPERT_AXIS, slab=slab,
+                                 landing=landing)
 
 
 def permute(x, perm):
@@ -258,15 +265,18 @@ def exchange(x_sorted, sizes_E, experts_fn, *, top_k: int,
   p = plan(counts, jax.lax.axis_index(EXPERT_AXIS), capacity, slab=slab)
   buf = jnp.zeros((capacity,) + x_sorted.shape[1:], x_sorted.dtype)
   x_recv = _all_to_all(impl, x_sorted, buf, p.input_offsets, p.send_sizes,
-                       p.output_offsets, p.recv_sizes, slab=slab)
+                       p.output_offsets, p.recv_sizes, slab=slab,
+                       landing=p.recv_offsets)
   local = _local_order(p.kept_SxL, p.recv_offsets, capacity)
   y_local = experts_fn(permute(x_recv, local),
                        p.kept_SxL.sum(0).astype(jnp.int32))
   # Back in the compute dtype: half the bytes on the wire in bf16.
-  y_recv = permute(y_local.astype(x_sorted.dtype), jnp.argsort(local))
+  inverse = jnp.zeros_like(local).at[local].set(
+      jnp.arange(capacity, dtype=local.dtype), unique_indices=True)
+  y_recv = permute(y_local.astype(x_sorted.dtype), inverse)
   # The reverse trip: rows received from s go back to s, landing where s's
   # rows for this device started in s's sorted order.
   y_sorted = _all_to_all(impl, y_recv, jnp.zeros_like(x_sorted),
                          p.recv_offsets, p.recv_sizes, p.return_offsets,
-                         p.send_sizes, slab=slab)
+                         p.send_sizes, slab=slab, landing=p.input_offsets)
   return y_sorted, p.dropped.astype(jnp.int32)

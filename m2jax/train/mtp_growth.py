@@ -19,6 +19,7 @@ Copy rule (`init="copy"`), for each new module k > existing depth:
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import jax
@@ -93,28 +94,30 @@ class Plateau:
     return (past - self._ema) < self.tol * abs(past)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _batch_metrics(config: ModelConfig, depth: int, variables, batch):
+  """Loss metrics of one batch, MTP to `depth` (compiled once per config)."""
+  from m2jax.train import losses  # pylint: disable=import-outside-toplevel
+  out = model.forward(config, variables, batch["tokens"],
+                      segment_ids=batch["segment_ids"],
+                      positions=batch["positions"], mtp_depth=depth)
+  return losses.total_loss(out, batch, mtp_weight=0.0, aux_coef=0.0,
+                           z_coef=0.0)[1]
+
+
 def evaluate_mtp(config: ModelConfig, variables, data_config, tokenizer, *,
                  depth: int, max_batches: int = 8) -> dict:
   """Held-out main CE, per-depth MTP CE and acceptance (validation split)."""
   # pylint: disable=import-outside-toplevel
   import numpy as np
   from m2jax.data import make_dataset
-  from m2jax.train import losses
-
-  @jax.jit
-  def batch_metrics(variables, batch):
-    out = model.forward(config, variables, batch["tokens"],
-                        segment_ids=batch["segment_ids"],
-                        positions=batch["positions"], mtp_depth=depth)
-    return losses.total_loss(out, batch, mtp_weight=0.0, aux_coef=0.0,
-                             z_coef=0.0)[1]
 
   sums, weight = {}, 0.0
   for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation")):
     if i >= max_batches:
       break
-    m = jax.device_get(batch_metrics(
-        variables, {k: np.asarray(v) for k, v in batch.items()}))
+    m = jax.device_get(_batch_metrics(
+        config, depth, variables, {k: np.asarray(v) for k, v in batch.items()}))
     w = float(m["tokens"])
     weight += w
     for k, v in m.items():
