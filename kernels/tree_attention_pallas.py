@@ -104,31 +104,34 @@ def _fwd_kernel(q_ref, k_ref, v_ref, se_ref, seg_ref, list_ref, count_ref,
   lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(l))
 
 
+def _q_major_specs(T, H, G, bq, nq, list_len):
+  """BlockSpecs of a (q tile, batch, head) grid, q tiles last-first (the
+  longest tile lists start first): q rows, whole K/V of the head's KV head,
+  per-(head, row) vectors, per-token vectors, the q tile's list and counts."""
+  rev = lambda i: nq - 1 - i
+  return dict(
+      q=pl.BlockSpec((None, bq, None, H), lambda i, b, h: (b, rev(i), h, 0)),
+      kv=pl.BlockSpec((None, T, None, H), lambda i, b, h: (b, 0, h // G, 0)),
+      row=pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
+      tok=pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+      lists=pl.BlockSpec((None, None, list_len),
+                         lambda i, b, h: (b, rev(i), 0)),
+      counts=pl.BlockSpec((None, None, 2), lambda i, b, h: (b, rev(i), 0)))
+
+
 def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
   """out [B, T, N, H] and lse [B, N, T] (float32, base 2)."""
   B, T, N, H = q.shape
-  G = N // k.shape[2]
   bq, nq = cfg.block_q, T // cfg.block_q
-  rev = lambda i: nq - 1 - i
+  sp = _q_major_specs(T, H, N // k.shape[2], bq, nq, lists.shape[-1])
   kernel = lambda *refs: _fwd_kernel(
       *refs, scale=scale, block_q=bq, block_k=cfg.block_k, num_q_blocks=nq)
   return pl.pallas_call(
       kernel,
       grid=(nq, B, N),
-      in_specs=[
-          pl.BlockSpec((None, bq, None, H), lambda i, b, h: (b, rev(i), h, 0)),
-          pl.BlockSpec((None, T, None, H), lambda i, b, h: (b, 0, h // G, 0)),
-          pl.BlockSpec((None, T, None, H), lambda i, b, h: (b, 0, h // G, 0)),
-          pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
-          pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
-          pl.BlockSpec((None, None, lists.shape[-1]),
-                       lambda i, b, h: (b, rev(i), 0)),
-          pl.BlockSpec((None, None, 2), lambda i, b, h: (b, rev(i), 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, bq, None, H), lambda i, b, h: (b, rev(i), h, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i))),
-      ],
+      in_specs=[sp["q"], sp["kv"], sp["kv"], sp["tok"], sp["tok"],
+                sp["lists"], sp["counts"]],
+      out_specs=[sp["q"], sp["row"]],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)],
       compiler_params=_params(cfg),
@@ -169,24 +172,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
 def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
                 cfg):
   B, T, N, H = q.shape
-  G = N // k.shape[2]
   bq, nq = cfg.block_q_dq, T // cfg.block_q_dq
-  rev = lambda i: nq - 1 - i
+  sp = _q_major_specs(T, H, N // k.shape[2], bq, nq, lists.shape[-1])
   kernel = lambda *refs: _dq_kernel(
       *refs, scale=scale, block_q=bq, block_k=cfg.block_k_dq, num_q_blocks=nq)
-  q_spec = pl.BlockSpec((None, bq, None, H), lambda i, b, h: (b, rev(i), h, 0))
-  kv_spec = pl.BlockSpec((None, T, None, H), lambda i, b, h: (b, 0, h // G, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, rev(i)))
-  tok_spec = pl.BlockSpec((None, T), lambda i, b, h: (b, 0))
   return pl.pallas_call(
       kernel,
       grid=(nq, B, N),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-                tok_spec, tok_spec,
-                pl.BlockSpec((None, None, lists.shape[-1]),
-                             lambda i, b, h: (b, rev(i), 0)),
-                pl.BlockSpec((None, None, 2), lambda i, b, h: (b, rev(i), 0))],
-      out_specs=q_spec,
+      in_specs=[sp["q"], sp["kv"], sp["kv"], sp["q"], sp["row"], sp["row"],
+                sp["tok"], sp["tok"], sp["lists"], sp["counts"]],
+      out_specs=sp["q"],
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=_params(cfg, backward=True),
       interpret=cfg.interpret,

@@ -166,14 +166,12 @@ def _units(seqs, row_len, merge):
   if not merge:
     return [[s] for s in range(len(seqs))]
   trie = _Trie()
-  ends = [int(trie.insert(seq)[-1]) for seq in seqs]
+  paths = [trie.insert(seq) for seq in seqs]
+  ends = [int(p[-1]) for p in paths]
   _, pre, end = trie.preorder()
   by_root: dict[int, list[int]] = {}
-  for s, e in enumerate(ends):
-    root = e
-    while trie.parent[root] != -1:
-      root = trie.parent[root]
-    by_root.setdefault(root, []).append(s)
+  for s, path in enumerate(paths):  # a path's first node is its root
+    by_root.setdefault(int(path[0]), []).append(s)
   units = []
   for root, samples in by_root.items():
     if end[root] - pre[root] <= row_len:
