@@ -291,6 +291,26 @@ def _quiesce(total, stages, consumed):
   lax.fori_loop(jnp.maximum(total - stages, 0), total, body, None)
 
 
+def _warp_specialised(wg, my_count, stages, consumed, produce, consume):
+  """The persistent split shared by gmm and tgmm: warpgroup _NUM_COMPUTE_WGS
+  issues the TMA copies, the others compute. `produce(i, step)` and
+  `consume(i, step)` handle this program's work item i, whose k loop starts
+  at pipeline step `step`, and return its number of k steps."""
+  loop = lambda fn: lax.fori_loop(
+      0, my_count, lambda i, step: step + fn(i, step), jnp.int32(0))
+
+  @pl.when(wg == _NUM_COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+    _quiesce(loop(produce), stages, consumed)
+
+  @pl.when(wg < _NUM_COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    loop(consume)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 # ---------------------------------------------------------------------------
 # gmm: out[rows of g] = lhs[rows of g] @ rhs[g]   (rhs[g]^T if transpose_rhs)
 
@@ -368,72 +388,62 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
     def scoped(a_smem, b_smem, out_smem, produced, consumed, b2_smem=None):
       wg = lax.axis_index("wg")
 
-      @pl.when(wg == _NUM_COMPUTE_WGS)
-      def _producer():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+      def produce(i, step):
+        nt, grp, row0, _, _ = item(i)
+        nsteps = jnp.where(grp >= 0, k_steps, 0)
 
-        def work(i, step):
-          nt, grp, row0, _, _ = item(i)
-          nsteps = jnp.where(grp >= 0, k_steps, 0)
-
-          def issue(kk, slot):
-            plgpu.copy_gmem_to_smem(
-                lhs_ref.at[pl.ds(row0, cfg.tile_m), pl.ds(kk * tk, tk)],
-                a_smem.at[slot], produced.at[slot])
-            plgpu.copy_gmem_to_smem(b_src(rhs_ref, grp, nt, kk),
-                                    b_smem.at[slot], produced.at[slot])
-            if fused:
-              plgpu.copy_gmem_to_smem(b_src(rhs2_ref, grp, nt, kk),
-                                      b2_smem.at[slot], produced.at[slot])
-          _producer_k_loop(nsteps, step, stages, consumed, issue)
-          return step + nsteps
-        total = lax.fori_loop(0, my_count, work, jnp.int32(0))
-        _quiesce(total, stages, consumed)
-
-      @pl.when(wg < _NUM_COMPUTE_WGS)
-      def _consumer():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-
-        def work(i, step):
-          nt, grp, row0, lo, hi = item(i)
-          nsteps = jnp.where(grp >= 0, k_steps, 0)
-          my_lo = jnp.clip(lo - wg * _HALF, 0, _HALF)
-          my_rows = jnp.clip(hi - wg * _HALF, 0, _HALF) - my_lo
-
-          def mma_one(acc_ref, src, slot):
-            b = src.at[slot]
-            if transpose_rhs:
-              b = b.T
-            a = a_smem.at[slot, _my_half(wg)]
-
-            @pl.when(my_rows > 0)
-            def _():
-              plgpu.wgmma(acc_ref, a, b)
-
-          def acc_scope(acc_ref, acc2_ref=None):
-            def mma(kk, slot):
-              del kk
-              mma_one(acc_ref, b_smem, slot)
-              if fused:
-                mma_one(acc2_ref, b2_smem, slot)
-            _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
-            if fused:
-              return acc_ref[...], acc2_ref[...]
-            return acc_ref[...]
-
+        def issue(kk, slot):
+          plgpu.copy_gmem_to_smem(
+              lhs_ref.at[pl.ds(row0, cfg.tile_m), pl.ds(kk * tk, tk)],
+              a_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(b_src(rhs_ref, grp, nt, kk),
+                                  b_smem.at[slot], produced.at[slot])
           if fused:
-            val = epilogue_fn(*pl.run_scoped(
-                acc_scope, plgpu.ACC((_HALF, wn)), plgpu.ACC((_HALF, wn))))
-          else:
-            val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)))
+            plgpu.copy_gmem_to_smem(b_src(rhs2_ref, grp, nt, kk),
+                                    b2_smem.at[slot], produced.at[slot])
+        _producer_k_loop(nsteps, step, stages, consumed, issue)
+        return nsteps
 
-          def dst_cols(c):
-            return out_ref.at[:, pl.ds(nt * wn + c * epi_n, epi_n)]
-          _epilogue(val, out_smem, wg, dst_cols, row0 + wg * _HALF, my_lo,
-                    my_rows)
-          return step + nsteps
-        lax.fori_loop(0, my_count, work, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      def consume(i, step):
+        nt, grp, row0, lo, hi = item(i)
+        nsteps = jnp.where(grp >= 0, k_steps, 0)
+        my_lo = jnp.clip(lo - wg * _HALF, 0, _HALF)
+        my_rows = jnp.clip(hi - wg * _HALF, 0, _HALF) - my_lo
+
+        def mma_one(acc_ref, src, slot):
+          b = src.at[slot]
+          if transpose_rhs:
+            b = b.T
+          a = a_smem.at[slot, _my_half(wg)]
+
+          @pl.when(my_rows > 0)
+          def _():
+            plgpu.wgmma(acc_ref, a, b)
+
+        def acc_scope(acc_ref, acc2_ref=None):
+          def mma(kk, slot):
+            del kk
+            mma_one(acc_ref, b_smem, slot)
+            if fused:
+              mma_one(acc2_ref, b2_smem, slot)
+          _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
+          if fused:
+            return acc_ref[...], acc2_ref[...]
+          return acc_ref[...]
+
+        if fused:
+          val = epilogue_fn(*pl.run_scoped(
+              acc_scope, plgpu.ACC((_HALF, wn)), plgpu.ACC((_HALF, wn))))
+        else:
+          val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)))
+
+        def dst_cols(c):
+          return out_ref.at[:, pl.ds(nt * wn + c * epi_n, epi_n)]
+        _epilogue(val, out_smem, wg, dst_cols, row0 + wg * _HALF, my_lo,
+                  my_rows)
+        return nsteps
+
+      _warp_specialised(wg, my_count, stages, consumed, produce, consume)
 
     pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
@@ -501,59 +511,49 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
     def scoped(a_smem, b_smem, out_smem, produced, consumed):
       wg = lax.axis_index("wg")
 
-      @pl.when(wg == _NUM_COMPUTE_WGS)
-      def _producer():
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+      def produce(i, step):
+        _, kt, nt, first, _, _, nsteps = item(i)
 
-        def work(i, step):
-          _, kt, nt, first, _, _, nsteps = item(i)
+        def issue(kk, slot):
+          rows = pl.ds(first + kk * tk, tk)
+          plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(kt * tm, tm)],
+                                  a_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(grad_ref.at[rows, pl.ds(nt * tn, tn)],
+                                  b_smem.at[slot], produced.at[slot])
+        _producer_k_loop(nsteps, step, stages, consumed, issue)
+        return nsteps
 
-          def issue(kk, slot):
-            rows = pl.ds(first + kk * tk, tk)
-            plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(kt * tm, tm)],
-                                    a_smem.at[slot], produced.at[slot])
-            plgpu.copy_gmem_to_smem(grad_ref.at[rows, pl.ds(nt * tn, tn)],
-                                    b_smem.at[slot], produced.at[slot])
-          _producer_k_loop(nsteps, step, stages, consumed, issue)
-          return step + nsteps
-        total = lax.fori_loop(0, my_count, work, jnp.int32(0))
-        _quiesce(total, stages, consumed)
+      def consume(i, step):
+        grp, kt, nt, _, lo, hi, nsteps = item(i)
 
-      @pl.when(wg < _NUM_COMPUTE_WGS)
-      def _consumer():
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        def acc_scope(acc_ref):
+          def mma(kk, slot):
+            a = a_smem.at[slot, :, _my_half(wg)]
 
-        def work(i, step):
-          grp, kt, nt, _, lo, hi, nsteps = item(i)
+            # Block rows outside [lo, hi) belong to the neighbouring groups
+            # (or lie past M): zero this warpgroup's half of them first.
+            r0 = kk * tk
+            @pl.when(((kk == 0) & (lo > 0)) | (r0 + tk > hi))
+            def _():
+              rows = r0 + plgpu.layout_cast(
+                  lax.broadcasted_iota(jnp.int32, (tk, _HALF), 0),
+                  plgpu.Layout.WGMMA)
+              a[...] = jnp.where((rows >= lo) & (rows < hi), a[...],
+                                 jnp.zeros_like(a[...]))
+              plgpu.commit_smem()
+            plgpu.wgmma(acc_ref, a.T, b_smem.at[slot])
+          _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
+          return acc_ref[...]
 
-          def acc_scope(acc_ref):
-            def mma(kk, slot):
-              a = a_smem.at[slot, :, _my_half(wg)]
+        val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, tn)))
 
-              # Block rows outside [lo, hi) belong to the neighbouring groups
-              # (or lie past M): zero this warpgroup's half of them first.
-              r0 = kk * tk
-              @pl.when(((kk == 0) & (lo > 0)) | (r0 + tk > hi))
-              def _():
-                rows = r0 + plgpu.layout_cast(
-                    lax.broadcasted_iota(jnp.int32, (tk, _HALF), 0),
-                    plgpu.Layout.WGMMA)
-                a[...] = jnp.where((rows >= lo) & (rows < hi), a[...],
-                                   jnp.zeros_like(a[...]))
-                plgpu.commit_smem()
-              plgpu.wgmma(acc_ref, a.T, b_smem.at[slot])
-            _pipelined_k_loop(nsteps, step, stages, produced, consumed, mma)
-            return acc_ref[...]
+        def dst_cols(c):
+          return out_ref.at[grp, :, pl.ds(nt * tn + c * epi_n, epi_n)]
+        _epilogue(val, out_smem, wg, dst_cols, kt * tm + wg * _HALF,
+                  0, jnp.int32(_HALF))
+        return nsteps
 
-          val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, tn)))
-
-          def dst_cols(c):
-            return out_ref.at[grp, :, pl.ds(nt * tn + c * epi_n, epi_n)]
-          _epilogue(val, out_smem, wg, dst_cols, kt * tm + wg * _HALF,
-                    0, jnp.int32(_HALF))
-          return step + nsteps
-        lax.fori_loop(0, my_count, work, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _warp_specialised(wg, my_count, stages, consumed, produce, consume)
 
     pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
