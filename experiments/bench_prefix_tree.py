@@ -47,10 +47,13 @@ _ATTN_GROUPS = flags.DEFINE_list(
     "attn_groups", ["4096x16x768", "4096x16x512"],
     "GRPO groups PROMPTxGxRESPONSE timed for attention")
 _TILES = flags.DEFINE_list(
-    "tiles", ["128.128.64.64.64.64.8.2.4.2", "128.64.64.64.64.64.8.2.4.2",
-              "64.64.64.32.32.64.4.3.4.3"],
-    "tree-attention tile configs: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
-    "warps.stages.warps_bwd.stages_bwd (the first is the default)")
+    "tiles", ["mosaic:128.64.64.2", "mosaic:128.128.64.2",
+              "mosaic:128.64.128.2", "mosaic:128.64.64.3",
+              "triton:128.128.64.64.64.64.8.2.4.2"],
+    "tree-attention configs, BACKEND:TILES. mosaic: block_k.block_k_dq."
+    "block_q_dkv.stages; triton: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
+    "warps.stages.warps_bwd.stages_bwd (a bare list is triton). The first "
+    "one is the default")
 _TOKAMAX = flags.DEFINE_list("tokamax", ["mosaic", "triton"],
                              "tokamax implementations to time")
 # Model problem.
@@ -69,8 +72,18 @@ _AGENT_REWRITE = flags.DEFINE_bool(
 
 
 def _tile_config(text):
-  v = [int(x) for x in text.split(".")]
-  return ta.TreeAttentionConfig(*v, interpret=_INTERPRET.value)
+  backend, _, tiles = text.rpartition(":")
+  v = [int(x) for x in tiles.split(".")]
+  if backend == "mosaic":
+    names = ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv",
+             "mosaic_stages")
+    return ta.TreeAttentionConfig(backend="mosaic", interpret=_INTERPRET.value,
+                                  **dict(zip(names, v, strict=True)))
+  names = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv",
+           "block_k_dkv", "num_warps", "num_stages", "num_warps_bwd",
+           "num_stages_bwd")
+  return ta.TreeAttentionConfig(backend="triton", interpret=_INTERPRET.value,
+                                **dict(zip(names, v, strict=True)))
 
 
 def _record(results, key, value):
@@ -82,6 +95,13 @@ def _record(results, key, value):
 
 # ------------------------------------------------------------- attention ---
 
+def _first_per_backend():
+  firsts = {}
+  for tile in _TILES.value:
+    firsts.setdefault(_tile_config(tile).backend, tile)
+  return firsts
+
+
 def _check_ours_on_device(results):
   """Ragged random tree, GQA, bf16: forward and gradients vs float32."""
   rng = np.random.default_rng(0)
@@ -91,15 +111,18 @@ def _check_ours_on_device(results):
   T = 2000
   se = pt.pack(seqs, row_len=T, num_rows=1).subtree_end
   q, k, v, do = tb.inputs(T, 12, 2, 128)
-  cfg = _tile_config(_TILES.value[0])
-  got = jax.jit(tb.ours(se, cfg, backward=True))(q, k, v, do)
   want = jax.jit(tb.reference(se, backward=True))(q, k, v, do)
-  errs = {n: tb.rel_err(g, w) for n, g, w in
-          zip(("out", "dq", "dk", "dv"), got, want)}
-  print("correctness (bf16 vs float32 reference, rel. L2):", errs)
-  _record(results, "correctness", errs)
-  if not all(e < 2e-2 for e in errs.values()):
-    raise AssertionError(f"tree attention mismatch on device: {errs}")
+  bad = {}
+  for backend, tile in _first_per_backend().items():
+    got = jax.jit(tb.ours(se, _tile_config(tile), backward=True))(q, k, v, do)
+    errs = {n: tb.rel_err(g, w) for n, g, w in
+            zip(("out", "dq", "dk", "dv"), got, want)}
+    print(f"correctness {tile} (bf16 vs float32 reference, rel. L2):", errs)
+    _record(results, f"correctness_{backend}", errs)
+    if not all(e < 2e-2 for e in errs.values()):
+      bad[tile] = errs
+  if bad:
+    raise AssertionError(f"tree attention mismatch on device: {bad}")
 
 
 def _time_attention(results):
@@ -122,9 +145,10 @@ def _time_attention(results):
     cands["cudnn_causal"] = (tb.cudnn_causal(), tb.cudnn_causal(True), causal)
     if n_group == 0:  # kernel quality on plain causal, and the peers
       chain = np.full((1, T), T, np.int32)
-      cfg = _tile_config(_TILES.value[0])
-      cands["ours_causal_chain"] = (tb.ours(chain, cfg),
-                                    tb.ours(chain, cfg, True), causal)
+      for backend, tile in _first_per_backend().items():
+        cfg = _tile_config(tile)
+        cands[f"ours_causal_chain[{tile}]"] = (
+            tb.ours(chain, cfg), tb.ours(chain, cfg, True), causal)
       for impl in _TOKAMAX.value:
         try:
           cands[f"tokamax_{impl}_q_end"] = (tb.tokamax_q_end(se, impl),

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import tree_attention_mosaic as _mosaic
 from kernels import tree_attention_pallas as _pallas
 
 _NEG = _pallas._NEG  # pylint: disable=protected-access
@@ -45,13 +46,24 @@ _NEG = _pallas._NEG  # pylint: disable=protected-access
 _PAD_SEGMENT = np.iinfo(np.int32).min
 
 
+BACKENDS = ("auto", "mosaic", "triton")
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeAttentionConfig:
-  """Tile sizes (powers of two) and Triton launch parameters per pass.
+  """Which kernels, and their tile sizes (powers of two).
 
-  Defaults: the best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
-  benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
+  backend: "mosaic" (kernels/tree_attention_mosaic.py: wgmma + TMA, warp
+    specialised, Hopper only), "triton" (kernels/tree_attention_pallas.py:
+    portable Pallas), or "auto": mosaic where it applies (bf16/f16, head
+    dim % 64 == 0), else triton. Both run on CPU with interpret=True.
+  block_* / num_*: the triton kernels' tiles and launch parameters, the
+    best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
+    benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
+  mosaic_*: the mosaic kernels' k tile (forward, dq), q tile (dk/dv) and
+    shared-memory ring depth; their other side is always 128 rows.
   """
+  backend: str = "auto"
   block_q: int = 128
   block_k: int = 128
   block_q_dq: int = 64
@@ -62,12 +74,36 @@ class TreeAttentionConfig:
   num_stages: int = 2
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
+  mosaic_block_k: int = 128
+  mosaic_block_k_dq: int = 64
+  mosaic_block_q_dkv: int = 64
+  mosaic_stages: int = 2
   interpret: bool = False
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"tree attention backend must be one of {BACKENDS}, "
+                       f"got {self.backend!r}")
 
   @property
   def pad_multiple(self) -> int:
+    if self.backend == "mosaic":
+      return max(_mosaic.TILE, self.mosaic_block_k, self.mosaic_block_k_dq,
+                 self.mosaic_block_q_dkv)
     return max(self.block_q, self.block_k, self.block_q_dq, self.block_k_dq,
                self.block_q_dkv, self.block_k_dkv)
+
+  def lists(self, se, seg):
+    """(forward, dq, dk/dv) tile lists and counts for this backend."""
+    if self.backend == "mosaic":
+      t = _mosaic.TILE
+      return (_lists(se, seg, t, self.mosaic_block_k),
+              _lists(se, seg, t, self.mosaic_block_k_dq),
+              _lists(se, seg, self.mosaic_block_q_dkv, t, transpose=True))
+    return (_lists(se, seg, self.block_q, self.block_k),
+            _lists(se, seg, self.block_q_dq, self.block_k_dq),
+            _lists(se, seg, self.block_q_dkv, self.block_k_dkv,
+                   transpose=True))
 
 
 # Tiles used when no config is passed (the model's attention passes none);
@@ -177,9 +213,10 @@ def _lists(se, seg, bq, bk, transpose=False):
 
 # Each kernel behind one jit: every layer calling it with the same shapes
 # shares one traced jaxpr, lowered once per program (as in kernels/gmm.py).
-_fwd_kernel = jax.jit(_pallas.forward, static_argnames=("scale", "cfg"))
-_dq_kernel = jax.jit(_pallas.backward_dq, static_argnames=("scale", "cfg"))
-_dkv_kernel = jax.jit(_pallas.backward_dkv, static_argnames=("scale", "cfg"))
+_KERNELS = {
+    name: tuple(jax.jit(f, static_argnames=("scale", "cfg"))
+                for f in (mod.forward, mod.backward_dq, mod.backward_dkv))
+    for name, mod in (("mosaic", _mosaic), ("triton", _pallas))}
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, se, seg, scale, cfg):
@@ -187,8 +224,9 @@ def _attention(q, k, v, se, seg, scale, cfg):
 
 
 def _forward(q, k, v, se, seg, scale, cfg):
-  lists, counts = _lists(se, seg, cfg.block_q, cfg.block_k)
-  return _fwd_kernel(q, k, v, se, seg, lists, counts, scale=scale, cfg=cfg)
+  lists, counts = cfg.lists(se, seg)[0]
+  fwd = _KERNELS[cfg.backend][0]
+  return fwd(q, k, v, se, seg, lists, counts, scale=scale, cfg=cfg)
 
 
 def _attention_fwd(q, k, v, se, seg, scale, cfg):
@@ -200,17 +238,35 @@ def _attention_bwd(scale, cfg, res, do):
   q, k, v, se, seg, out, lse = res
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
                      do.astype(jnp.float32))
-  dq_lists = _lists(se, seg, cfg.block_q_dq, cfg.block_k_dq)
-  dkv_lists = _lists(se, seg, cfg.block_q_dkv, cfg.block_k_dkv,
-                     transpose=True)
-  dq = _dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,
-                  cfg=cfg)
-  dk, dv = _dkv_kernel(q, k, v, do, lse, delta, se, seg, *dkv_lists,
-                       scale=scale, cfg=cfg)
+  _, dq_lists, dkv_lists = cfg.lists(se, seg)
+  _, dq_kernel, dkv_kernel = _KERNELS[cfg.backend]
+  dq = dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,
+                 cfg=cfg)
+  dk, dv = dkv_kernel(q, k, v, do, lse, delta, se, seg, *dkv_lists,
+                      scale=scale, cfg=cfg)
   return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def mosaic_supported(dtype, head_dim: int) -> bool:
+  """The Mosaic kernels take 16-bit inputs and head_dim % 64 == 0 (a
+  128-byte swizzled row)."""
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim % 64 == 0)
+
+
+def _resolve_backend(cfg, dtype, head_dim):
+  ok = mosaic_supported(dtype, head_dim)
+  if cfg.backend == "auto":
+    return dataclasses.replace(cfg, backend="mosaic" if ok else "triton")
+  if cfg.backend == "mosaic" and not ok:
+    raise ValueError(
+        f"tree attention backend='mosaic' needs bf16/f16 inputs and "
+        f"head_dim % 64 == 0; got {jnp.dtype(dtype).name}, head_dim="
+        f"{head_dim} (use backend='triton' or 'auto')")
+  return cfg
 
 
 def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
@@ -235,6 +291,7 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
   if N % k_BxTxKxH.shape[2]:
     raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads="
                      f"{k_BxTxKxH.shape[2]}")
+  cfg = _resolve_backend(cfg, q_BxTxNxH.dtype, H)
   scale = float(H ** -0.5 if scale is None else scale)
   se = subtree_end_BxT.astype(jnp.int32)
   seg = (jnp.zeros_like(se) if segment_ids_BxT is None

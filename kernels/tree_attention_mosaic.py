@@ -1,0 +1,512 @@
+"""Hopper tree attention in Pallas Mosaic GPU (wgmma + TMA, warp specialised).
+
+Same contract as kernels/tree_attention_pallas.py (the portable Triton
+kernels): forward -> (out, lse in base 2), backward_dq, backward_dkv, each
+fed by the tile lists of kernels/tree_attention.py. Only the lowering
+differs: every program has three warpgroups,
+
+  warpgroup 2      the producer: walks the program's tile list and TMA-copies
+                   the tiles it names into a ring of `stages` shared-memory
+                   slots, waiting only for a slot to be released;
+  warpgroups 0, 1  the consumers: each owns 64 rows of the program's
+                   128-row tile (q rows forward and dq, k rows dk/dv), runs
+                   wgmma with register accumulators over the tiles the
+                   producer delivers, full tiles with no mask code, partial
+                   tiles masked from the key vectors (subtree_end, segment).
+
+Lists are built per program tile (128 rows), so both consumers see the same
+tile sequence; a partial tile masks each consumer's half on its own.
+
+Forward (grid heads x q tiles x batch, heavy q tiles first): the two
+consumers alternate through a schedule barrier (one runs softmax while the
+other's matmuls own the tensor cores), as FlashAttention-3 does.
+dq (same grid) recomputes p and dp per k tile; dk/dv (grid kv heads x k tiles
+x batch) walks the G query heads of its KV head and, per head, the q tiles
+that read its k tile, so the GQA sum stays in registers.
+
+Masked entries get -inf logits; running maxima start at a finite -1e30, so a
+row that has seen only masked keys keeps p = 0 and never forms inf - inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.state import types as state_types
+
+_HALF = 64  # rows per compute warpgroup
+_WGS = 2  # compute warpgroups per program
+TILE = _WGS * _HALF  # rows per program: the list granularity on that side
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # finite: exp2(-inf - _M_INIT) = 0 for fully masked rows
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
+
+
+def _smem(shape, dtype):
+  """Shared memory for a wgmma operand: 8 x 64 tiles, 128-byte swizzle."""
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+      plgpu.SwizzleTransform(128)))
+
+
+def _call(body, out_type, scratch, grid, names, interpret):
+  return plgpu.kernel(
+      body,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=grid,
+      grid_names=names,
+      num_threads=_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+
+def _producer(n_steps, stages, loads):
+  """Warpgroup 2: for each step, per (consumed barrier, issue) pair, wait
+  until the slot is free (from the second lap on) and issue its copies.
+  At the end it observes the last releases, so every barrier phase it waits
+  on is seen (the GPU interpreter checks this)."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  def wait_free(step):
+    for consumed, _ in loads:
+      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+  def body(step, _):
+    slot = lax.rem(step, stages)
+    for consumed, issue in loads:
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(consumed.at[slot])
+      issue(step, slot)
+  lax.fori_loop(0, n_steps, body, None)
+  lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps,
+                lambda step, _: wait_free(step), None)
+
+
+def _value(x):
+  """A register operand as is; a shared-memory ref read out."""
+  if isinstance(x, state_types.TransformedRef) or isinstance(
+      jax.typeof(x), state_types.AbstractRef):
+    return x[...]
+  return x
+
+
+def _accumulate(products, accs, interpret, overlap=None):
+  """`accs[i] += lhs @ rhs` for each (i, lhs, rhs) of `products`, issued as
+  wgmmas into register accumulators; `overlap()` runs while they execute.
+  Pallas' GPU interpreter has no `pl.run_state` and takes shared-memory
+  operands only, so there the same sums are plain float32 dots."""
+  if interpret:
+    out = list(accs)
+    for i, a, b in products:
+      out[i] = out[i] + jnp.dot(_value(a), _value(b),
+                                preferred_element_type=jnp.float32)
+    if overlap is not None:
+      overlap()
+    return tuple(out)
+
+  def issue(refs):
+    for i, a, b in products:
+      plgpu.wgmma(refs[i], a, b)
+    if overlap is not None:
+      overlap()
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
+def _rows(first, size=_HALF):
+  return pl.ds(pl.multiple_of(first, 8), size)
+
+
+def _visible(row_ids, col_ids, se, seg_rows, seg_cols, *, keys_on_rows):
+  """Tree mask of one accumulator tile (rows x cols, WGMMA layout).
+
+  Forward/dq tiles have queries on rows and keys on columns; dk/dv tiles the
+  transpose. `se` belongs to the keys, the segments to their side.
+  """
+  shape = (row_ids.shape[0], col_ids.shape[0])
+  r = lax.broadcast_in_dim(row_ids, shape, [0])
+  c = lax.broadcast_in_dim(col_ids, shape, [1])
+  sr = lax.broadcast_in_dim(seg_rows, shape, [0])
+  sc = lax.broadcast_in_dim(seg_cols, shape, [1])
+  if keys_on_rows:  # key = row
+    se_b = lax.broadcast_in_dim(se, shape, [0])
+    return (r <= c) & (c < se_b) & (sr == sc)
+  se_b = lax.broadcast_in_dim(se, shape, [1])
+  return (c <= r) & (r < se_b) & (sr == sc)
+
+
+def _gload(ref, layout):
+  """A short vector straight from global memory (no optimised path exists
+  for these layouts; each thread reads its own elements, L2-resident)."""
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _iota(n, layout, start):
+  return start + plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
+
+
+# ---------------------------------------------------------------- forward ---
+
+def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
+  """out [B, T, N, H] and lse [B, N, T] (float32, base 2, scaled logits)."""
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  bk, stages, dtype = cfg.mosaic_block_k, cfg.mosaic_stages, q.dtype
+  nq = T // TILE
+  c = scale * _LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, se_ref, seg_ref, list_ref, count_ref,
+             out_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, q_bar,
+             k_bar, v_bar, k_free, v_free, turn):
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    qt = nq - 1 - lax.axis_index("q_seq")  # heavy (late) q tiles first
+    wg = lax.axis_index("wg")
+    n_full = count_ref[b, qt, 0]
+    n_live = n_full + count_ref[b, qt, 1]
+
+    def take_turn():  # hand the tensor cores to the other consumer
+      plgpu.barrier_arrive(turn)
+      plgpu.barrier_wait(turn)
+
+    @pl.when(wg == _WGS)
+    def _():
+      rows = lambda t: _rows(list_ref[b, qt, t] * bk, bk)
+      kvh = lax.div(h, G)
+      _producer(n_live, stages, [
+          (k_free, lambda t, s: plgpu.copy_gmem_to_smem(
+              k_ref.at[b, rows(t), kvh], k_smem.at[s], k_bar.at[s])),
+          (v_free, lambda t, s: plgpu.copy_gmem_to_smem(
+              v_ref.at[b, rows(t), kvh], v_smem.at[s], v_bar.at[s]))])
+
+    @pl.when(wg < _WGS)
+    def _():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
+      q0 = qt * TILE + wg * _HALF
+      plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], qo_smem,
+                              q_bar.at[wg])
+      q_ids = _iota(_HALF, _ROW, q0)
+      seg_q = _gload(seg_ref.at[b, _rows(q0)], layout=_ROW)
+      plgpu.barrier_wait(q_bar.at[wg])
+
+      @pl.when(n_live > 0)
+      def _():
+        plgpu.barrier_wait(k_bar.at[0])
+
+      pl.when(wg == 1)(take_turn)
+
+      def step(t, carry, masked):
+        acc, m, l = carry
+        slot = lax.rem(t, stages)
+
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
+          take_turn()
+          return acc_ref[...]
+        s = pl.run_scoped(qk_scope, plgpu.ACC((_HALF, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        if masked:
+          k0 = list_ref[b, qt, t] * bk
+          cols = _rows(k0, bk)
+          mask = _visible(q_ids, _iota(bk, _COL, k0),
+                          _gload(se_ref.at[b, cols], layout=_COL),
+                          seg_q, _gload(seg_ref.at[b, cols], layout=_COL),
+                          keys_on_rows=False)
+          s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        plgpu.barrier_arrive(turn)  # softmax done
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(turn)  # tensor cores free
+
+        def wait_next_k():  # while the p @ v wgmma runs
+          @pl.when(t + 1 < n_live)
+          def _():
+            plgpu.barrier_wait(k_bar.at[lax.rem(t + 1, stages)])
+        acc, = _accumulate([(0, p16, v_smem.at[slot])], (acc,),
+                           cfg.interpret, overlap=wait_next_k)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      carry = (plgpu.layout_cast(jnp.zeros((_HALF, H), jnp.float32), _WGMMA),
+               plgpu.layout_cast(jnp.full((_HALF,), _M_INIT, jnp.float32),
+                                 _ROW),
+               plgpu.layout_cast(jnp.zeros((_HALF,), jnp.float32), _ROW))
+      carry = lax.fori_loop(0, n_full, lambda t, cr: step(t, cr, False),
+                            carry)
+      acc, m, l = lax.fori_loop(n_full, n_live,
+                                lambda t, cr: step(t, cr, True), carry)
+      pl.when(wg == 0)(take_turn)
+
+      empty = l == 0.0
+      l = jnp.where(empty, 1.0, l)
+      acc /= lax.broadcast_in_dim(l, acc.shape, [0])
+      qo_smem[...] = acc.astype(dtype)
+      lse_smem[...] = jnp.where(empty, 0.0, m + jnp.log(l) * _LOG2E)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, _rows(q0), h])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, _rows(q0)])
+      plgpu.wait_smem_to_gmem(0)
+
+  scratch = (
+      _smem((_WGS, _HALF, H), dtype),
+      _smem((stages, bk, H), dtype),
+      _smem((stages, bk, H), dtype),
+      plgpu.SMEM((_WGS, _HALF), jnp.float32),
+      plgpu.Barrier(num_barriers=_WGS),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS),
+  )
+  out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
+              jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+  return _call(kernel, out_type, scratch, (N, nq, B),
+               ("heads", "q_seq", "batch"), cfg.interpret)(
+                   q, k, v, se, seg, lists, counts)
+
+
+# ------------------------------------------------------------ backward dq ---
+
+def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
+                cfg):
+  """dq [B, T, N, H]: sum over live k tiles of ds @ k (times scale)."""
+  B, T, N, H = q.shape
+  G = N // k.shape[2]
+  bk, stages, dtype = cfg.mosaic_block_k_dq, cfg.mosaic_stages, q.dtype
+  nq = T // TILE
+  c = scale * _LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
+             seg_ref, list_ref, count_ref, dq_ref, q_smem2, do_smem2, k_smem,
+             v_smem, q_bar, k_bar, v_bar, k_free, v_free):
+    b, h = lax.axis_index("batch"), lax.axis_index("heads")
+    qt = nq - 1 - lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    n_full = count_ref[b, qt, 0]
+    n_live = n_full + count_ref[b, qt, 1]
+
+    @pl.when(wg == _WGS)
+    def _():
+      rows = lambda t: _rows(list_ref[b, qt, t] * bk, bk)
+      kvh = lax.div(h, G)
+      _producer(n_live, stages, [
+          (k_free, lambda t, s: plgpu.copy_gmem_to_smem(
+              k_ref.at[b, rows(t), kvh], k_smem.at[s], k_bar.at[s])),
+          (v_free, lambda t, s: plgpu.copy_gmem_to_smem(
+              v_ref.at[b, rows(t), kvh], v_smem.at[s], v_bar.at[s]))])
+
+    @pl.when(wg < _WGS)
+    def _():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      q0 = qt * TILE + wg * _HALF
+      plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], q_smem,
+                              q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, _rows(q0), h], do_smem,
+                              q_bar.at[wg])
+      q_ids = _iota(_HALF, _ROW, q0)
+      seg_q = _gload(seg_ref.at[b, _rows(q0)], layout=_ROW)
+      lse_q = _gload(lse_ref.at[b, h, _rows(q0)], layout=_ROW)
+      delta_q = _gload(delta_ref.at[b, h, _rows(q0)], layout=_ROW)
+      plgpu.barrier_wait(q_bar.at[wg])
+
+      def step(t, dq, masked):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def s_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+          return acc_ref[...]
+        s = pl.run_scoped(s_scope, plgpu.ACC((_HALF, bk), jnp.float32))
+        if masked:
+          k0 = list_ref[b, qt, t] * bk
+          cols = _rows(k0, bk)
+          mask = _visible(q_ids, _iota(bk, _COL, k0),
+                          _gload(se_ref.at[b, cols], layout=_COL),
+                          seg_q, _gload(seg_ref.at[b, cols], layout=_COL),
+                          keys_on_rows=False)
+          s = jnp.where(mask, s, -jnp.inf)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [0]))
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def dp_scope(acc_ref):
+          plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
+          return acc_ref[...]
+        dp = pl.run_scoped(dp_scope, plgpu.ACC((_HALF, bk), jnp.float32))
+        plgpu.barrier_arrive(v_free.at[slot])
+        ds = p * (dp - lax.broadcast_in_dim(delta_q, s.shape, [0]))
+
+        dq, = _accumulate([(0, ds.astype(dtype), k_smem.at[slot])], (dq,),
+                          cfg.interpret)
+        plgpu.barrier_arrive(k_free.at[slot])
+        return dq
+
+      dq = plgpu.layout_cast(jnp.zeros((_HALF, H), jnp.float32), _WGMMA)
+      dq = lax.fori_loop(0, n_full, lambda t, a: step(t, a, False), dq)
+      dq = lax.fori_loop(n_full, n_live, lambda t, a: step(t, a, True), dq)
+      q_smem[...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, _rows(q0), h])
+      plgpu.wait_smem_to_gmem(0)
+
+  scratch = (
+      _smem((_WGS, _HALF, H), dtype),
+      _smem((_WGS, _HALF, H), dtype),
+      _smem((stages, bk, H), dtype),
+      _smem((stages, bk, H), dtype),
+      plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+  )
+  return _call(kernel, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
+               (N, nq, B), ("heads", "q_seq", "batch"), cfg.interpret)(
+                   q, k, v, do, lse, delta, se, seg, lists, counts)
+
+
+# ----------------------------------------------------------- backward dkv ---
+
+def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
+                 cfg):
+  """dk, dv [B, T, K, H]; `lists` are the transposed (per k tile) lists."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  G = N // K
+  bq, stages, dtype = cfg.mosaic_block_q_dkv, cfg.mosaic_stages, q.dtype
+  nk = T // TILE
+  c = scale * _LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
+             seg_ref, list_ref, count_ref, dk_ref, dv_ref, k_smem2, v_smem2,
+             q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar,
+             q_free, do_free):
+    b, kvh = lax.axis_index("batch"), lax.axis_index("heads")
+    kt = lax.axis_index("k_seq")
+    wg = lax.axis_index("wg")
+    n_full = count_ref[b, kt, 0]
+    n_live = n_full + count_ref[b, kt, 1]
+
+    def at(step):  # step -> (query head, q rows)
+      g = lax.div(step, jnp.maximum(n_live, 1))
+      t = lax.rem(step, jnp.maximum(n_live, 1))
+      return kvh * G + g, _rows(list_ref[b, kt, t] * bq, bq)
+
+    @pl.when(wg == _WGS)
+    def _():
+      def load_q(step, s):
+        h, rows = at(step)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[s],
+                                q_bar.at[s])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[s],
+                                q_bar.at[s])
+
+      def load_do(step, s):
+        h, rows = at(step)
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[s],
+                                do_bar.at[s])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[s],
+                                do_bar.at[s])
+      _producer(G * n_live, stages, [(q_free, load_q), (do_free, load_do)])
+
+    @pl.when(wg < _WGS)
+    def _():
+      plgpu.set_max_registers(232, action="increase")
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      k0 = kt * TILE + wg * _HALF
+      plgpu.copy_gmem_to_smem(k_ref.at[b, _rows(k0), kvh], k_smem,
+                              kv_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, _rows(k0), kvh], v_smem,
+                              kv_bar.at[wg])
+      k_ids = _iota(_HALF, _ROW, k0)
+      se_k = _gload(se_ref.at[b, _rows(k0)], layout=_ROW)
+      seg_k = _gload(seg_ref.at[b, _rows(k0)], layout=_ROW)
+      plgpu.barrier_wait(kv_bar.at[wg])
+
+      def step(g, t, carry, masked):
+        dk, dv = carry
+        st = g * n_live + t
+        slot = lax.rem(st, stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+
+        def s_scope(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].T)
+          return acc_ref[...]
+        s = pl.run_scoped(s_scope, plgpu.ACC((_HALF, bq), jnp.float32))
+        if masked:
+          q0 = list_ref[b, kt, t] * bq
+          mask = _visible(k_ids, _iota(bq, _COL, q0), se_k, seg_k,
+                          _gload(seg_ref.at[b, _rows(q0, bq)],
+                                     layout=_COL),
+                          keys_on_rows=True)
+          s = jnp.where(mask, s, -jnp.inf)
+        lse_q = plgpu.load(lse_smem.at[slot], layout=_COL)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [1]))
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        zeros = plgpu.layout_cast(jnp.zeros((_HALF, bq), jnp.float32),
+                                  _WGMMA)
+        dv, dp = _accumulate(  # both wgmmas under one wait
+            [(0, p.astype(dtype), do_smem.at[slot]),
+             (1, v_smem, do_smem.at[slot].T)], (dv, zeros), cfg.interpret)
+        delta_q = plgpu.load(delta_smem.at[slot], layout=_COL)
+        plgpu.barrier_arrive(do_free.at[slot])
+        ds = p * (dp - lax.broadcast_in_dim(delta_q, s.shape, [1]))
+
+        dk, = _accumulate([(0, ds.astype(dtype), q_smem.at[slot])], (dk,),
+                          cfg.interpret)
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk, dv
+
+      def head(g, carry):
+        carry = lax.fori_loop(0, n_full,
+                              lambda t, cr: step(g, t, cr, False), carry)
+        return lax.fori_loop(n_full, n_live,
+                             lambda t, cr: step(g, t, cr, True), carry)
+
+      zeros = plgpu.layout_cast(jnp.zeros((_HALF, H), jnp.float32), _WGMMA)
+      dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+      k_smem[...] = (dk * scale).astype(dtype)
+      v_smem[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, _rows(k0), kvh],
+                              commit_group=False)
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, _rows(k0), kvh],
+                              commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+  scratch = (
+      _smem((_WGS, _HALF, H), dtype),
+      _smem((_WGS, _HALF, H), dtype),
+      _smem((stages, bq, H), dtype),
+      _smem((stages, bq, H), dtype),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+  )
+  kv = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  return _call(kernel, (kv, kv), scratch, (K, nk, B),
+               ("heads", "k_seq", "batch"), cfg.interpret)(
+                   q, k, v, do, lse, delta, se, seg, lists, counts)
