@@ -48,8 +48,7 @@ _ATTN_GROUPS = flags.DEFINE_list(
     "GRPO groups PROMPTxGxRESPONSE timed for attention")
 _TILES = flags.DEFINE_list(
     "tiles", ["mosaic:128.64.64.2", "mosaic:128.128.64.2",
-              "mosaic:128.64.128.2", "mosaic:128.64.64.3",
-              "triton:128.128.64.64.64.64.8.2.4.2"],
+              "mosaic:64.64.64.3", "triton:128.128.64.64.64.64.8.2.4.2"],
     "tree-attention configs, BACKEND:TILES. mosaic: block_k.block_k_dq."
     "block_q_dkv.stages; triton: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
     "warps.stages.warps_bwd.stages_bwd (a bare list is triton). The first "

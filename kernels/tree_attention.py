@@ -257,10 +257,20 @@ def mosaic_supported(dtype, head_dim: int) -> bool:
           and head_dim % 64 == 0)
 
 
+def _on_hopper() -> bool:
+  """wgmma is sm_90 only (Blackwell has tcgen05 instead)."""
+  try:
+    gpu = jax.devices("gpu")[0]
+  except RuntimeError:
+    return False
+  return str(getattr(gpu, "compute_capability", "")).startswith("9.")
+
+
 def _resolve_backend(cfg, dtype, head_dim):
   ok = mosaic_supported(dtype, head_dim)
   if cfg.backend == "auto":
-    return dataclasses.replace(cfg, backend="mosaic" if ok else "triton")
+    mosaic = ok and not cfg.interpret and _on_hopper()
+    return dataclasses.replace(cfg, backend="mosaic" if mosaic else "triton")
   if cfg.backend == "mosaic" and not ok:
     raise ValueError(
         f"tree attention backend='mosaic' needs bf16/f16 inputs and "
