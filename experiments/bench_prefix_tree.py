@@ -1,6 +1,8 @@
 """Prefix-tree merging benchmark: tree attention and a merged model step.
 
 One GPU run:
+  kernels    the time of each of our kernels (forward, dq, dk/dv) per tile
+             config, with executed TFLOP/s (where the time goes).
   attention  tree attention (ours, a small tile sweep) on one GRPO group
              packed in DFS order, TFLOP/s over live entries, next to cuDNN
              causal attention on the same number of tokens and tokamax's
@@ -36,7 +38,8 @@ from m2jax.rl import prefix_tree as pt
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/prefix_tree_h100.json",
                            "JSON results")
-_SECTIONS = flags.DEFINE_list("sections", ["attention", "model"], "what runs")
+_SECTIONS = flags.DEFINE_list("sections", ["attention", "kernels", "model"],
+                              "what runs")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU dry run of kernels")
 _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions (attention)")
 # Attention problem (SPEC §5: GQA 48/8, d=128, one group of 16384 tokens).
@@ -173,6 +176,33 @@ def _time_attention(results):
             f"({row.get('fwdbwd_ms', 0):.2f} ms)", flush=True)
       _record(results, "attention", rows)
   return rows
+
+
+def _time_kernels(results):
+  """Time split of ours: each kernel of every tile config on the first
+  group, with its executed (not counted) TFLOP/s."""
+  N, K, H = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
+  prompt, G, resp = (int(x) for x in _ATTN_GROUPS.value[0].split("x"))
+  se = tb.grpo_subtree_end(prompt, G, resp)
+  live = int(ta.live_entries(se)[0])
+  q, k, v, do = tb.inputs(se.shape[1], N, K, H)
+  rows = []
+  for tile in _TILES.value:
+    row = {"impl": tile}
+    try:
+      for name, (fn, args, mm) in tb.kernel_passes(
+          se, _tile_config(tile), q, k, v, do).items():
+        t = time_fn(fn, *args, reps=_REPS.value)
+        row[f"{name}_ms"] = t * 1e3
+        row[f"{name}_executed_tflops"] = 2 * mm * N * H * live / t / 1e12
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+    print(f"kernels {tile:<40} " + "  ".join(
+        f"{n} {row.get(n + '_ms', 0):.2f} ms "
+        f"({row.get(n + '_executed_tflops', 0):.0f} TF/s executed)"
+        for n in ("fwd", "dq", "dkv")), row.get("error", ""), flush=True)
+    _record(results, "kernels", rows)
 
 
 def _best_tiles(rows):
@@ -352,6 +382,11 @@ def main(argv):
       ta.DEFAULT_CONFIG = _tile_config(best)
       _record(results, "model_tiles", best)
       print("tiles for the model step:", best)
+    except Exception:  # pylint: disable=broad-except
+      traceback.print_exc()
+  if "kernels" in _SECTIONS.value:
+    try:
+      _time_kernels(results)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
   if "model" in _SECTIONS.value:

@@ -9,6 +9,8 @@ forward, x3.5 forward+backward.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +87,29 @@ def rel_err(got, want) -> float:
   got = jnp.asarray(got, jnp.float32)
   want = jnp.asarray(want, jnp.float32)
   return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def kernel_passes(subtree_end, cfg, q, k, v, do):
+  """The three kernels of one backend as separate jitted calls, for a time
+  split: {"fwd" | "dq" | "dkv": (fn, args, matmuls)}, where `matmuls`
+  is the number of [tile x tile x head_dim] products each live entry costs
+  in that kernel as written (fwd 2; dq 3 and dk/dv 4, as they recompute
+  the scores), i.e. executed, not counted, FLOPs = 2 * matmuls * N * H * live.
+  """
+  B, T, N, H = q.shape
+  cfg = ta._resolve_backend(cfg, q.dtype, H)  # pylint: disable=protected-access
+  if T % cfg.pad_multiple:
+    raise ValueError(f"T={T} must be a multiple of {cfg.pad_multiple}")
+  se = jnp.asarray(subtree_end, jnp.int32)
+  seg = jnp.zeros_like(se)
+  scale = float(H ** -0.5)
+  fwd_l, dq_l, dkv_l = cfg.lists(se, seg)
+  fwd, dq, dkv = (jax.jit(functools.partial(f, scale=scale, cfg=cfg))
+                  for f in ta._KERNELS[cfg.backend])  # pylint: disable=protected-access
+  out, lse = fwd(q, k, v, se, seg, *fwd_l)
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
+                     do.astype(jnp.float32))
+  bwd_args = (q, k, v, do, lse, delta, se, seg)
+  return {"fwd": (fwd, (q, k, v, se, seg, *fwd_l), 2),
+          "dq": (dq, bwd_args + tuple(dq_l), 3),
+          "dkv": (dkv, bwd_args + tuple(dkv_l), 4)}
