@@ -53,7 +53,7 @@ _TILES = flags.DEFINE_list(
     "tiles", ["mosaic:128.64.64.2", "mosaic:128.128.64.2",
               "mosaic:64.64.64.3", "triton:128.128.64.64.64.64.8.2.4.2"],
     "tree-attention configs, BACKEND:TILES. mosaic: block_k.block_k_dq."
-    "block_q_dkv.stages; triton: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
+    "block_q_dkv.stages[.stages_dkv]; triton: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
     "warps.stages.warps_bwd.stages_bwd (a bare list is triton). The first "
     "one is the default")
 _TOKAMAX = flags.DEFINE_list("tokamax", ["mosaic", "triton"],
@@ -78,7 +78,8 @@ def _tile_config(text):
   v = [int(x) for x in tiles.split(".")]
   if backend == "mosaic":
     names = ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv",
-             "mosaic_stages")
+             "mosaic_stages", "mosaic_stages_dkv")
+    v += v[3:4] * (5 - len(v))  # stages_dkv defaults to stages
     return ta.TreeAttentionConfig(backend="mosaic", interpret=_INTERPRET.value,
                                   **dict(zip(names, v, strict=True)))
   names = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv",

@@ -61,7 +61,8 @@ class TreeAttentionConfig:
     best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
     benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
   mosaic_*: the mosaic kernels' k tile (forward, dq), q tile (dk/dv) and
-    shared-memory ring depth; their other side is always 128 rows.
+    shared-memory ring depths (forward and dq, dk/dv); their other side is
+    always 128 rows.
   """
   backend: str = "auto"
   block_q: int = 128
@@ -78,6 +79,7 @@ class TreeAttentionConfig:
   mosaic_block_k_dq: int = 64
   mosaic_block_q_dkv: int = 64
   mosaic_stages: int = 2
+  mosaic_stages_dkv: int = 2
   interpret: bool = False
 
   def __post_init__(self):

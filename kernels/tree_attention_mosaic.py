@@ -390,7 +390,7 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
   B, T, N, H = q.shape
   K = k.shape[2]
   G = N // K
-  bq, stages, dtype = cfg.mosaic_block_q_dkv, cfg.mosaic_stages, q.dtype
+  bq, stages, dtype = cfg.mosaic_block_q_dkv, cfg.mosaic_stages_dkv, q.dtype
   nk = T // TILE
   c = scale * _LOG2E
 
