@@ -253,10 +253,10 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def mosaic_supported(dtype, head_dim: int) -> bool:
-  """The Mosaic kernels take 16-bit inputs and head_dim % 64 == 0 (a
-  128-byte swizzled row)."""
+  """The Mosaic kernels take 16-bit inputs and head_dim 64 or 128 (one or
+  two 128-byte swizzled rows; wider heads overflow shared memory)."""
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim % 64 == 0)
+          and head_dim in (64, 128))
 
 
 def _on_hopper() -> bool:
@@ -276,7 +276,7 @@ def _resolve_backend(cfg, dtype, head_dim):
   if cfg.backend == "mosaic" and not ok:
     raise ValueError(
         f"tree attention backend='mosaic' needs bf16/f16 inputs and "
-        f"head_dim % 64 == 0; got {jnp.dtype(dtype).name}, head_dim="
+        f"head_dim 64 or 128; got {jnp.dtype(dtype).name}, head_dim="
         f"{head_dim} (use backend='triton' or 'auto')")
   return cfg
 

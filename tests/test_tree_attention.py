@@ -256,8 +256,10 @@ def test_backend_choice():
   bf16 = jnp.bfloat16
   assert ta._resolve_backend(ta.TreeAttentionConfig(interpret=True), bf16,
                              128).backend == "triton"
-  with pytest.raises(ValueError, match="head_dim % 64"):
+  with pytest.raises(ValueError, match="head_dim 64 or 128"):
     ta._resolve_backend(ta.TreeAttentionConfig(backend="mosaic"),
                         jnp.float32, 128)
+  with pytest.raises(ValueError, match="got bfloat16, head_dim=256"):
+    ta._resolve_backend(ta.TreeAttentionConfig(backend="mosaic"), bf16, 256)
   with pytest.raises(ValueError, match="backend must be one of"):
     ta.TreeAttentionConfig(backend="cuda")
