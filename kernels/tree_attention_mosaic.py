@@ -155,6 +155,39 @@ def _iota(n, layout, start):
   return start + plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
 
 
+def _q_program(nq, count_ref):
+  """Coordinates of a program of the q-major kernels (forward, dq): batch,
+  head, q tile (heavy, late tiles first), warpgroup, and the tile list's
+  counts (full tiles, all live tiles)."""
+  b, h = lax.axis_index("batch"), lax.axis_index("heads")
+  qt = nq - 1 - lax.axis_index("q_seq")
+  n_full = count_ref[b, qt, 0]
+  return b, h, qt, lax.axis_index("wg"), n_full, n_full + count_ref[b, qt, 1]
+
+
+def _produce_kv(refs, smem, bars, frees, list_ref, b, qt, kvh, bk, n_live,
+                stages):
+  """Producer of the q-major kernels: the k and v tiles of the q tile's
+  list, each with its own barrier so q k^T can start before v lands."""
+  rows = lambda t: _rows(list_ref[b, qt, t] * bk, bk)
+
+  def load(i):
+    return (frees[i], lambda t, s: plgpu.copy_gmem_to_smem(
+        refs[i].at[b, rows(t), kvh], smem[i].at[s], bars[i].at[s]))
+  _producer(n_live, stages, [load(0), load(1)])
+
+
+def _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b, k0, bk):
+  """A partial tile with queries on rows and keys k0.. on columns: -inf
+  where the key is hidden from the row's query."""
+  cols = _rows(k0, bk)
+  mask = _visible(q_ids, _iota(bk, _COL, k0),
+                  _gload(se_ref.at[b, cols], layout=_COL), seg_q,
+                  _gload(seg_ref.at[b, cols], layout=_COL),
+                  keys_on_rows=False)
+  return jnp.where(mask, s, -jnp.inf)
+
+
 # ---------------------------------------------------------------- forward ---
 
 def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
@@ -168,11 +201,7 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
   def kernel(q_ref, k_ref, v_ref, se_ref, seg_ref, list_ref, count_ref,
              out_ref, lse_ref, qo_smem2, k_smem, v_smem, lse_smem2, q_bar,
              k_bar, v_bar, k_free, v_free, turn):
-    b, h = lax.axis_index("batch"), lax.axis_index("heads")
-    qt = nq - 1 - lax.axis_index("q_seq")  # heavy (late) q tiles first
-    wg = lax.axis_index("wg")
-    n_full = count_ref[b, qt, 0]
-    n_live = n_full + count_ref[b, qt, 1]
+    b, h, qt, wg, n_full, n_live = _q_program(nq, count_ref)
 
     def take_turn():  # hand the tensor cores to the other consumer
       plgpu.barrier_arrive(turn)
@@ -180,13 +209,9 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
 
     @pl.when(wg == _WGS)
     def _():
-      rows = lambda t: _rows(list_ref[b, qt, t] * bk, bk)
-      kvh = lax.div(h, G)
-      _producer(n_live, stages, [
-          (k_free, lambda t, s: plgpu.copy_gmem_to_smem(
-              k_ref.at[b, rows(t), kvh], k_smem.at[s], k_bar.at[s])),
-          (v_free, lambda t, s: plgpu.copy_gmem_to_smem(
-              v_ref.at[b, rows(t), kvh], v_smem.at[s], v_bar.at[s]))])
+      _produce_kv((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar),
+                  (k_free, v_free), list_ref, b, qt, lax.div(h, G), bk,
+                  n_live, stages)
 
     @pl.when(wg < _WGS)
     def _():
@@ -216,13 +241,8 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
         s = pl.run_scoped(qk_scope, plgpu.ACC((_HALF, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
-          k0 = list_ref[b, qt, t] * bk
-          cols = _rows(k0, bk)
-          mask = _visible(q_ids, _iota(bk, _COL, k0),
-                          _gload(se_ref.at[b, cols], layout=_COL),
-                          seg_q, _gload(seg_ref.at[b, cols], layout=_COL),
-                          keys_on_rows=False)
-          s = jnp.where(mask, s, -jnp.inf)
+          s = _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b,
+                         list_ref[b, qt, t] * bk, bk)
         m_new = jnp.maximum(m, s.max(axis=1) * c)
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -296,21 +316,13 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
              seg_ref, list_ref, count_ref, dq_ref, q_smem2, do_smem2, k_smem,
              v_smem, q_bar, k_bar, v_bar, k_free, v_free):
-    b, h = lax.axis_index("batch"), lax.axis_index("heads")
-    qt = nq - 1 - lax.axis_index("q_seq")
-    wg = lax.axis_index("wg")
-    n_full = count_ref[b, qt, 0]
-    n_live = n_full + count_ref[b, qt, 1]
+    b, h, qt, wg, n_full, n_live = _q_program(nq, count_ref)
 
     @pl.when(wg == _WGS)
     def _():
-      rows = lambda t: _rows(list_ref[b, qt, t] * bk, bk)
-      kvh = lax.div(h, G)
-      _producer(n_live, stages, [
-          (k_free, lambda t, s: plgpu.copy_gmem_to_smem(
-              k_ref.at[b, rows(t), kvh], k_smem.at[s], k_bar.at[s])),
-          (v_free, lambda t, s: plgpu.copy_gmem_to_smem(
-              v_ref.at[b, rows(t), kvh], v_smem.at[s], v_bar.at[s]))])
+      _produce_kv((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar),
+                  (k_free, v_free), list_ref, b, qt, lax.div(h, G), bk,
+                  n_live, stages)
 
     @pl.when(wg < _WGS)
     def _():
@@ -336,13 +348,8 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
           return acc_ref[...]
         s = pl.run_scoped(s_scope, plgpu.ACC((_HALF, bk), jnp.float32))
         if masked:
-          k0 = list_ref[b, qt, t] * bk
-          cols = _rows(k0, bk)
-          mask = _visible(q_ids, _iota(bk, _COL, k0),
-                          _gload(se_ref.at[b, cols], layout=_COL),
-                          seg_q, _gload(seg_ref.at[b, cols], layout=_COL),
-                          keys_on_rows=False)
-          s = jnp.where(mask, s, -jnp.inf)
+          s = _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b,
+                         list_ref[b, qt, t] * bk, bk)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [0]))
         plgpu.barrier_wait(v_bar.at[slot])
 
