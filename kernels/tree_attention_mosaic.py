@@ -22,7 +22,8 @@ consumers alternate through a schedule barrier (one runs softmax while the
 other's matmuls own the tensor cores), as FlashAttention-3 does.
 dq (same grid) recomputes p and dp per k tile; dk/dv (grid kv heads x k tiles
 x batch) walks the G query heads of its KV head and, per head, the q tiles
-that read its k tile, so the GQA sum stays in registers.
+that read its k tile, so the GQA sum stays in registers. Products that do not
+depend on each other are issued back to back and awaited once.
 
 Masked entries get -inf logits; running maxima start at a finite -1e30, so a
 row that has seen only masked keys keeps p = 0 and never forms inf - inf.
@@ -121,6 +122,18 @@ def _accumulate(products, accs, interpret, overlap=None):
     if overlap is not None:
       overlap()
   return pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+
+
+def _products(pairs, shape, overlap=None):
+  """Fresh float32 products lhs @ rhs of shared-memory operands, issued back
+  to back as wgmmas and awaited together; `overlap()` runs meanwhile."""
+  def scope(*refs):
+    for ref, (a, b) in zip(refs, pairs):
+      plgpu.wgmma(ref, a, b)
+    if overlap is not None:
+      overlap()
+    return tuple(ref[...] for ref in refs)
+  return pl.run_scoped(scope, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
 
 
 def _rows(first, size=_HALF):
@@ -234,11 +247,8 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
         acc, m, l = carry
         slot = lax.rem(t, stages)
 
-        def qk_scope(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].T)
-          take_turn()
-          return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC((_HALF, bk), jnp.float32))
+        s, = _products([(qo_smem, k_smem.at[slot].T)], (_HALF, bk),
+                       overlap=take_turn)
         plgpu.barrier_arrive(k_free.at[slot])
         if masked:
           s = _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b,
@@ -342,22 +352,14 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       def step(t, dq, masked):
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(k_bar.at[slot])
-
-        def s_scope(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-          return acc_ref[...]
-        s = pl.run_scoped(s_scope, plgpu.ACC((_HALF, bk), jnp.float32))
+        plgpu.barrier_wait(v_bar.at[slot])
+        s, dp = _products([(q_smem, k_smem.at[slot].T),
+                           (do_smem, v_smem.at[slot].T)], (_HALF, bk))
+        plgpu.barrier_arrive(v_free.at[slot])
         if masked:
           s = _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b,
                          list_ref[b, qt, t] * bk, bk)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [0]))
-        plgpu.barrier_wait(v_bar.at[slot])
-
-        def dp_scope(acc_ref):
-          plgpu.wgmma(acc_ref, do_smem, v_smem.at[slot].T)
-          return acc_ref[...]
-        dp = pl.run_scoped(dp_scope, plgpu.ACC((_HALF, bk), jnp.float32))
-        plgpu.barrier_arrive(v_free.at[slot])
         ds = p * (dp - lax.broadcast_in_dim(delta_q, s.shape, [0]))
 
         dq, = _accumulate([(0, ds.astype(dtype), k_smem.at[slot])], (dq,),
@@ -452,11 +454,9 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
         st = g * n_live + t
         slot = lax.rem(st, stages)
         plgpu.barrier_wait(q_bar.at[slot])
-
-        def s_scope(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].T)
-          return acc_ref[...]
-        s = pl.run_scoped(s_scope, plgpu.ACC((_HALF, bq), jnp.float32))
+        plgpu.barrier_wait(do_bar.at[slot])
+        s, dp = _products([(k_smem, q_smem.at[slot].T),
+                           (v_smem, do_smem.at[slot].T)], (_HALF, bq))
         if masked:
           q0 = list_ref[b, kt, t] * bq
           mask = _visible(k_ids, _iota(bq, _COL, q0), se_k, seg_k,
@@ -465,20 +465,13 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
                           keys_on_rows=True)
           s = jnp.where(mask, s, -jnp.inf)
         lse_q = plgpu.load(lse_smem.at[slot], layout=_COL)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [1]))
-        plgpu.barrier_wait(do_bar.at[slot])
-
-        zeros = plgpu.layout_cast(jnp.zeros((_HALF, bq), jnp.float32),
-                                  _WGMMA)
-        dv, dp = _accumulate(  # both wgmmas under one wait
-            [(0, p.astype(dtype), do_smem.at[slot]),
-             (1, v_smem, do_smem.at[slot].T)], (dv, zeros), cfg.interpret)
         delta_q = plgpu.load(delta_smem.at[slot], layout=_COL)
-        plgpu.barrier_arrive(do_free.at[slot])
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(lse_q, s.shape, [1]))
         ds = p * (dp - lax.broadcast_in_dim(delta_q, s.shape, [1]))
-
-        dk, = _accumulate([(0, ds.astype(dtype), q_smem.at[slot])], (dk,),
-                          cfg.interpret)
+        dv, dk = _accumulate([(0, p.astype(dtype), do_smem.at[slot]),
+                              (1, ds.astype(dtype), q_smem.at[slot])],
+                             (dv, dk), cfg.interpret)
+        plgpu.barrier_arrive(do_free.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return dk, dv
 
