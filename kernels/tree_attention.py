@@ -10,9 +10,12 @@ iff
 (SPEC §3, §6). A chain (subtree_end[j] = end of j's segment) is plain causal
 attention over packed documents. The mask is never materialised as [T, T]:
 
-  tree_attention(q, k, v, subtree_end, segment_ids)   the Pallas kernels
-      (kernels/tree_attention_pallas.py), forward and backward as a
-      custom VJP, GQA (query head h reads KV head h // (N / K)).
+  tree_attention(q, k, v, subtree_end, segment_ids)   the Pallas kernels,
+      forward and backward as a custom VJP, GQA (query head h reads KV head
+      h // (N / K)): on Hopper the Mosaic GPU kernels
+      (kernels/tree_attention_mosaic.py: TMA ring, warp-specialised wgmma),
+      elsewhere the portable ones (kernels/tree_attention_pallas.py); see
+      TreeAttentionConfig.backend.
   tree_attention_reference(...)   pure jnp, dense mask, float32 softmax.
 
 Per tile (q rows a..b, k cols c..d) `block_lists` classifies the tile as
@@ -55,8 +58,9 @@ class TreeAttentionConfig:
 
   backend: "mosaic" (kernels/tree_attention_mosaic.py: wgmma + TMA, warp
     specialised, Hopper only), "triton" (kernels/tree_attention_pallas.py:
-    portable Pallas), or "auto": mosaic where it applies (bf16/f16, head
-    dim % 64 == 0), else triton. Both run on CPU with interpret=True.
+    portable Pallas), or "auto": mosaic on a Hopper GPU where it applies
+    (bf16/f16, head dim 64 or 128), else triton. Both run on CPU with
+    interpret=True (auto then picks triton, the faster to interpret).
   block_* / num_*: the triton kernels' tiles and launch parameters, the
     best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
     benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
