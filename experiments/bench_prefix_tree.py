@@ -67,6 +67,8 @@ _GRPO = flags.DEFINE_string("grpo", "3x16x4096x512",
                             "GROUPSxGxPROMPTxRESPONSE for case (a)")
 _AGENT_STEPS = flags.DEFINE_list("agent_steps", ["16", "32"],
                                  "steps of each agent trajectory (case b)")
+_MODEL_CASES = flags.DEFINE_list("model_cases", ["a_grpo", "b_agent"],
+                                 "which model-step cases run")
 _AGENT_START = flags.DEFINE_integer("agent_start", 2048, "initial state")
 _AGENT_FINAL = flags.DEFINE_integer("agent_final", 32768, "final length")
 _AGENT_REWRITE = flags.DEFINE_bool(
@@ -314,13 +316,17 @@ def _time_model(results, remat=False):
   rng = np.random.default_rng(0)
   variables = model.init(cfg, jax.random.key(0))
   params = variables["params"]
-  cases = (("a_grpo", _grpo_samples(rng, cfg.vocab_size)),
-           ("b_agent", _agent_samples(rng, cfg.vocab_size)))
+  samples = {"a_grpo": _grpo_samples, "b_agent": _agent_samples}
+  unknown = set(_MODEL_CASES.value) - set(samples)
+  if unknown:
+    raise ValueError(f"--model_cases: unknown {sorted(unknown)}, "
+                     f"choose from {sorted(samples)}")
+  cases = [(c, samples[c](rng, cfg.vocab_size)) for c in _MODEL_CASES.value]
   layouts = {case: {name: pt.pack(seqs, row_len=_ROW_LEN.value, merge=merge)
                     for name, merge in (("unmerged", False), ("merged", True))}
              for case, seqs in cases}
   # Every row of every layout has one shape: compile once, time everything.
-  first = jax.device_put(next(_rows(layouts["a_grpo"]["merged"], rng)))
+  first = jax.device_put(next(_rows(layouts[cases[0][0]]["merged"], rng)))
   step = _make_step(cfg, variables).lower(params, first).compile()
   mem = step.memory_analysis()
   step_memory = {"temp": mem.temp_size_in_bytes / 2**30,
@@ -365,7 +371,8 @@ def main(argv):
   del argv
   dev = jax.devices()[0]
   names = ("heads", "kv_heads", "head_dim", "attn_groups", "tiles", "config",
-           "ffn", "row_len", "grpo", "agent_steps", "agent_start",
+           "ffn", "row_len", "model_cases", "grpo", "agent_steps",
+           "agent_start",
            "agent_final", "agent_rewrite", "reps")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
              "device": getattr(dev, "device_kind", str(dev)),
