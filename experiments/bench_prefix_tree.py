@@ -2,7 +2,8 @@
 
 One GPU run:
   kernels    the time of each of our kernels (forward, dq, dk/dv) per tile
-             config, with executed TFLOP/s (where the time goes).
+             config, with TFLOP/s counting recomputed products (where the
+             time goes).
   attention  tree attention (ours, a small tile sweep) on one GRPO group
              packed in DFS order, TFLOP/s over live entries, next to cuDNN
              causal attention on the same number of tokens and tokamax's
@@ -26,6 +27,7 @@ import traceback
 from absl import app
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kernels import tree_attention as ta
@@ -77,6 +79,9 @@ _AGENT_REWRITE = flags.DEFINE_bool(
 
 def _tile_config(text):
   backend, _, tiles = text.rpartition(":")
+  if backend not in ("mosaic", "triton", ""):
+    raise ValueError(f"--tiles: unknown backend {backend!r} in {text!r} "
+                     "(mosaic:... or triton:...)")
   v = [int(x) for x in tiles.split(".")]
   if backend == "mosaic":
     names = ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv",
@@ -108,35 +113,41 @@ def _first_per_backend():
 
 
 def _check_ours_on_device(results):
-  """Ragged random tree, GQA, bf16: forward and gradients vs float32."""
+  """GQA, bf16, two batch rows (a ragged random tree, a causal chain):
+  forward and gradients vs float32. Returns the configs that failed."""
   rng = np.random.default_rng(0)
   prompt = rng.integers(1, 99, 300)
   seqs = [np.concatenate([prompt, rng.integers(1, 3, rng.integers(1, 150))])
           for _ in range(12)]   # ragged responses, some sharing a few tokens
   T = 2000
-  se = pt.pack(seqs, row_len=T, num_rows=1).subtree_end
-  q, k, v, do = tb.inputs(T, 12, 2, 128)
+  se = np.concatenate([pt.pack(seqs, row_len=T, num_rows=1).subtree_end,
+                       np.full((1, T), T, np.int32)])
+  q, k, v, do = (jnp.concatenate(pair) for pair in zip(
+      tb.inputs(T, 12, 2, 128, seed=0), tb.inputs(T, 12, 2, 128, seed=1)))
   want = jax.jit(tb.reference(se, backward=True))(q, k, v, do)
-  bad = {}
-  for backend, tile in _first_per_backend().items():
+  bad, checked = {}, {}
+  for tile in _TILES.value:  # every config: any may become the model's
     got = jax.jit(tb.ours(se, _tile_config(tile), backward=True))(q, k, v, do)
     errs = {n: tb.rel_err(g, w) for n, g, w in
             zip(("out", "dq", "dk", "dv"), got, want)}
     print(f"correctness {tile} (bf16 vs float32 reference, rel. L2):", errs)
-    _record(results, f"correctness_{backend}", errs)
+    checked[tile] = errs
+    _record(results, "correctness", checked)
     if not all(e < 2e-2 for e in errs.values()):
       bad[tile] = errs
   if bad:
-    raise AssertionError(f"tree attention mismatch on device: {bad}")
+    print(f"TREE ATTENTION MISMATCH ON DEVICE (these configs are timed but "
+          f"never used for the model step): {bad}", flush=True)
+  return set(bad)
 
 
-def _time_attention(results):
+def _time_attention(results, failed):
   N, K, H = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
   rows = []
   tiles = list(_TILES.value)
   for n_group, spec in enumerate(_ATTN_GROUPS.value):
     if n_group == 1:  # the tile sweep runs on the first group only
-      tiles = [_best_tiles(rows)]
+      tiles = [_best_tiles(rows, failed)]
     prompt, G, resp = (int(x) for x in spec.split("x"))
     se = tb.grpo_subtree_end(prompt, G, resp)
     T = se.shape[1]
@@ -183,7 +194,7 @@ def _time_attention(results):
 
 def _time_kernels(results):
   """Time split of ours: each kernel of every tile config on the first
-  group, with its executed (not counted) TFLOP/s."""
+  group, with its TFLOP/s counting recomputed products (live entries)."""
   N, K, H = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
   prompt, G, resp = (int(x) for x in _ATTN_GROUPS.value[0].split("x"))
   se = tb.grpo_subtree_end(prompt, G, resp)
@@ -197,19 +208,22 @@ def _time_kernels(results):
           se, _tile_config(tile), q, k, v, do).items():
         t = time_fn(fn, *args, reps=_REPS.value)
         row[f"{name}_ms"] = t * 1e3
-        row[f"{name}_executed_tflops"] = 2 * mm * N * H * live / t / 1e12
+        row[f"{name}_tflops_with_recompute"] = (2 * mm * N * H * live / t
+                                                / 1e12)
     except Exception as e:  # pylint: disable=broad-except
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
     print(f"kernels {tile:<40} " + "  ".join(
         f"{n} {row.get(n + '_ms', 0):.2f} ms "
-        f"({row.get(n + '_executed_tflops', 0):.0f} TF/s executed)"
+        f"({row.get(n + '_tflops_with_recompute', 0):.0f} TF/s w/ recompute)"
         for n in ("fwd", "dq", "dkv")), row.get("error", ""), flush=True)
     _record(results, "kernels", rows)
 
 
-def _best_tiles(rows):
+def _best_tiles(rows, failed):
+  """The fastest config on the first group that passed the device check."""
   ours = [r for r in rows if r["impl"].startswith("ours[")
+          and r["impl"][5:-1] not in failed
           and "fwdbwd_tflops" in r and r["group"] == _ATTN_GROUPS.value[0]]
   if not ours:
     return _TILES.value[0]
@@ -380,13 +394,14 @@ def main(argv):
              "flags": {n: flags.FLAGS[n].value for n in names}}
   print("device:", results["device"], flush=True)
   if "attention" in _SECTIONS.value:
+    failed = set(_TILES.value)
     try:
-      _check_ours_on_device(results)
+      failed = _check_ours_on_device(results)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
     try:
-      rows = _time_attention(results)
-      best = _best_tiles(rows)
+      rows = _time_attention(results, failed)
+      best = _best_tiles(rows, failed)
       ta.DEFAULT_CONFIG = _tile_config(best)
       _record(results, "model_tiles", best)
       print("tiles for the model step:", best)

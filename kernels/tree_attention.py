@@ -52,7 +52,7 @@ _PAD_SEGMENT = np.iinfo(np.int32).min
 BACKENDS = ("auto", "mosaic", "triton")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeAttentionConfig:
   """Which kernels, and their tile sizes (powers of two).
 
@@ -64,9 +64,10 @@ class TreeAttentionConfig:
   block_* / num_*: the triton kernels' tiles and launch parameters, the
     best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
     benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
-  mosaic_*: the mosaic kernels' k tile (forward, dq), q tile (dk/dv) and
-    shared-memory ring depths (forward and dq, dk/dv); their other side is
-    always 128 rows.
+  mosaic_*: the mosaic kernels' k tile (forward, dq) and q tile (dk/dv),
+    64 or 128 each (a wgmma contraction is a multiple of 64; 256-wide tiles
+    overflow shared memory), and shared-memory ring depths (forward and dq,
+    dk/dv), at least 1; their other side is always 128 rows.
   """
   backend: str = "auto"
   block_q: int = 128
@@ -90,6 +91,13 @@ class TreeAttentionConfig:
     if self.backend not in BACKENDS:
       raise ValueError(f"tree attention backend must be one of {BACKENDS}, "
                        f"got {self.backend!r}")
+    for name in ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv"):
+      if getattr(self, name) not in (64, 128):
+        raise ValueError(f"{name} must be 64 or 128, got "
+                         f"{getattr(self, name)}")
+    for name in ("mosaic_stages", "mosaic_stages_dkv"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
   @property
   def pad_multiple(self) -> int:
@@ -99,17 +107,19 @@ class TreeAttentionConfig:
     return max(self.block_q, self.block_k, self.block_q_dq, self.block_k_dq,
                self.block_q_dkv, self.block_k_dkv)
 
-  def lists(self, se, seg):
-    """(forward, dq, dk/dv) tile lists and counts for this backend."""
+  def lists(self, se, seg, kernel: str):
+    """Tile lists and counts of one kernel ("fwd", "dq" or "dkv", the last
+    transposed: per k tile) for this backend's tiles."""
     if self.backend == "mosaic":
       t = _mosaic.TILE
-      return (_lists(se, seg, t, self.mosaic_block_k),
-              _lists(se, seg, t, self.mosaic_block_k_dq),
-              _lists(se, seg, self.mosaic_block_q_dkv, t, transpose=True))
-    return (_lists(se, seg, self.block_q, self.block_k),
-            _lists(se, seg, self.block_q_dq, self.block_k_dq),
-            _lists(se, seg, self.block_q_dkv, self.block_k_dkv,
-                   transpose=True))
+      bq, bk = {"fwd": (t, self.mosaic_block_k),
+                "dq": (t, self.mosaic_block_k_dq),
+                "dkv": (self.mosaic_block_q_dkv, t)}[kernel]
+    else:
+      bq, bk = {"fwd": (self.block_q, self.block_k),
+                "dq": (self.block_q_dq, self.block_k_dq),
+                "dkv": (self.block_q_dkv, self.block_k_dkv)}[kernel]
+    return _lists(se, seg, bq, bk, transpose=kernel == "dkv")
 
 
 # Tiles used when no config is passed (the model's attention passes none);
@@ -230,7 +240,7 @@ def _attention(q, k, v, se, seg, scale, cfg):
 
 
 def _forward(q, k, v, se, seg, scale, cfg):
-  lists, counts = cfg.lists(se, seg)[0]
+  lists, counts = cfg.lists(se, seg, "fwd")
   fwd = _KERNELS[cfg.backend][0]
   return fwd(q, k, v, se, seg, lists, counts, scale=scale, cfg=cfg)
 
@@ -244,7 +254,7 @@ def _attention_bwd(scale, cfg, res, do):
   q, k, v, se, seg, out, lse = res
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
                      do.astype(jnp.float32))
-  _, dq_lists, dkv_lists = cfg.lists(se, seg)
+  dq_lists, dkv_lists = cfg.lists(se, seg, "dq"), cfg.lists(se, seg, "dkv")
   _, dq_kernel, dkv_kernel = _KERNELS[cfg.backend]
   dq = dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,
                  cfg=cfg)
@@ -256,11 +266,14 @@ def _attention_bwd(scale, cfg, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def mosaic_supported(dtype, head_dim: int) -> bool:
-  """The Mosaic kernels take 16-bit inputs and head_dim 64 or 128 (one or
-  two 128-byte swizzled rows; wider heads overflow shared memory)."""
-  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim in (64, 128))
+def mosaic_supported(dtypes, head_dim: int, scale: float = 1.0) -> bool:
+  """The Mosaic kernels take q, k, v of one 16-bit dtype, head_dim 64 or 128
+  (one or two 128-byte swizzled rows; wider heads overflow shared memory)
+  and a positive scale (their running max is taken before scaling)."""
+  dts = {jnp.dtype(d) for d in dtypes}
+  return (len(dts) == 1
+          and dts <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+          and head_dim in (64, 128) and scale > 0)
 
 
 def _on_hopper() -> bool:
@@ -272,16 +285,17 @@ def _on_hopper() -> bool:
   return str(getattr(gpu, "compute_capability", "")).startswith("9.")
 
 
-def _resolve_backend(cfg, dtype, head_dim):
-  ok = mosaic_supported(dtype, head_dim)
+def _resolve_backend(cfg, dtypes, head_dim, scale=1.0):
+  ok = mosaic_supported(dtypes, head_dim, scale)
   if cfg.backend == "auto":
     mosaic = ok and not cfg.interpret and _on_hopper()
     return dataclasses.replace(cfg, backend="mosaic" if mosaic else "triton")
   if cfg.backend == "mosaic" and not ok:
     raise ValueError(
-        f"tree attention backend='mosaic' needs bf16/f16 inputs and "
-        f"head_dim 64 or 128; got {jnp.dtype(dtype).name}, head_dim="
-        f"{head_dim} (use backend='triton' or 'auto')")
+        f"tree attention backend='mosaic' needs q, k, v of one dtype, bf16 "
+        f"or f16, head_dim 64 or 128 and scale > 0; got "
+        f"{[jnp.dtype(d).name for d in dtypes]}, head_dim={head_dim}, "
+        f"scale={scale} (use backend='triton' or 'auto')")
   return cfg
 
 
@@ -307,8 +321,9 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
   if N % k_BxTxKxH.shape[2]:
     raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads="
                      f"{k_BxTxKxH.shape[2]}")
-  cfg = _resolve_backend(cfg, q_BxTxNxH.dtype, H)
   scale = float(H ** -0.5 if scale is None else scale)
+  cfg = _resolve_backend(
+      cfg, (q_BxTxNxH.dtype, k_BxTxKxH.dtype, v_BxTxKxH.dtype), H, scale)
   se = subtree_end_BxT.astype(jnp.int32)
   seg = (jnp.zeros_like(se) if segment_ids_BxT is None
          else segment_ids_BxT.astype(jnp.int32))

@@ -92,18 +92,19 @@ def rel_err(got, want) -> float:
 def kernel_passes(subtree_end, cfg, q, k, v, do):
   """The three kernels of one backend as separate jitted calls, for a time
   split: {"fwd" | "dq" | "dkv": (fn, args, matmuls)}, where `matmuls`
-  is the number of [tile x tile x head_dim] products each live entry costs
-  in that kernel as written (fwd 2; dq 3 and dk/dv 4, as they recompute
-  the scores), i.e. executed, not counted, FLOPs = 2 * matmuls * N * H * live.
+  is the number of products each live entry costs in that kernel as written
+  (fwd 2; dq 3 and dk/dv 4, as they recompute the scores): its FLOPs with
+  recomputation are 2 * matmuls * N * H * live. (The masked entries of
+  partial tiles, also computed, are not counted.)
   """
   B, T, N, H = q.shape
-  cfg = ta._resolve_backend(cfg, q.dtype, H)  # pylint: disable=protected-access
+  cfg = ta._resolve_backend(cfg, (q.dtype, k.dtype, v.dtype), H)  # pylint: disable=protected-access
   if T % cfg.pad_multiple:
     raise ValueError(f"T={T} must be a multiple of {cfg.pad_multiple}")
   se = jnp.asarray(subtree_end, jnp.int32)
   seg = jnp.zeros_like(se)
   scale = float(H ** -0.5)
-  fwd_l, dq_l, dkv_l = cfg.lists(se, seg)
+  fwd_l, dq_l, dkv_l = (cfg.lists(se, seg, n) for n in ("fwd", "dq", "dkv"))
   fwd, dq, dkv = (jax.jit(functools.partial(f, scale=scale, cfg=cfg))
                   for f in ta._KERNELS[cfg.backend])  # pylint: disable=protected-access
   out, lse = fwd(q, k, v, se, seg, *fwd_l)

@@ -17,13 +17,17 @@ differs: every program has three warpgroups,
 Lists are built per program tile (128 rows), so both consumers see the same
 tile sequence; a partial tile masks each consumer's half on its own.
 
-Forward (grid heads x q tiles x batch, heavy q tiles first): the two
+Forward (grid heads x batch x q tiles, heavy q tiles first): the two
 consumers alternate through a schedule barrier (one runs softmax while the
 other's matmuls own the tensor cores), as FlashAttention-3 does.
-dq (same grid) recomputes p and dp per k tile; dk/dv (grid kv heads x k tiles
-x batch) walks the G query heads of its KV head and, per head, the q tiles
+dq (same grid) recomputes p and dp per k tile; dk/dv (grid kv heads x batch
+x k tiles) walks the G query heads of its KV head and, per head, the q tiles
 that read its k tile, so the GQA sum stays in registers. Products that do not
 depend on each other are issued back to back and awaited once.
+
+In Pallas' GPU interpreter (interpret=True, for CPU tests) the products into
+register accumulators become float32 dots (`_accumulate`); that path and the
+wgmma register layouts are only exercised on a GPU.
 
 Masked entries get -inf logits; running maxima start at a finite -1e30, so a
 row that has seen only masked keys keeps p = 0 and never forms inf - inf.
@@ -57,6 +61,12 @@ def _smem(shape, dtype):
       plgpu.SwizzleTransform(128)))
 
 
+# Grids list the fastest-launched axis first: consecutive programs are the
+# heads of one (batch row, tile), which share K/V in L2; the tile axis is the
+# slowest, so the heavy tiles of every batch row start first.
+_Q_GRID = ("heads", "batch", "q_seq")
+
+
 def _call(body, out_type, scratch, grid, names, interpret):
   return plgpu.kernel(
       body,
@@ -74,8 +84,10 @@ def _call(body, out_type, scratch, grid, names, interpret):
 def _producer(n_steps, stages, loads):
   """Warpgroup 2: for each step, per (consumed barrier, issue) pair, wait
   until the slot is free (from the second lap on) and issue its copies.
-  At the end it observes the last releases, so every barrier phase it waits
-  on is seen (the GPU interpreter checks this)."""
+  The final loop waits for the last `stages` releases: Pallas' GPU
+  interpreter requires every thread that waits on a barrier to have seen
+  each of its completed phases before the barrier is freed. On a GPU it only
+  keeps the producer alive until the consumers are done."""
   plgpu.set_max_registers(40, action="decrease")
 
   def wait_free(step):
@@ -307,8 +319,8 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
   )
   out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-  return _call(kernel, out_type, scratch, (N, nq, B),
-               ("heads", "q_seq", "batch"), cfg.interpret)(
+  return _call(kernel, out_type, scratch, (N, B, nq), _Q_GRID,
+               cfg.interpret)(
                    q, k, v, se, seg, lists, counts)
 
 
@@ -387,7 +399,7 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
   )
   return _call(kernel, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
-               (N, nq, B), ("heads", "q_seq", "batch"), cfg.interpret)(
+               (N, B, nq), _Q_GRID, cfg.interpret)(
                    q, k, v, do, lse, delta, se, seg, lists, counts)
 
 
@@ -507,6 +519,6 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
   )
   kv = jax.ShapeDtypeStruct(k.shape, k.dtype)
-  return _call(kernel, (kv, kv), scratch, (K, nk, B),
-               ("heads", "k_seq", "batch"), cfg.interpret)(
+  return _call(kernel, (kv, kv), scratch, (K, B, nk),
+               ("heads", "batch", "k_seq"), cfg.interpret)(
                    q, k, v, do, lse, delta, se, seg, lists, counts)

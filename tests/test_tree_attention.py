@@ -17,9 +17,9 @@ import pytest
 from kernels import tree_attention as ta
 
 # 16-row tiles keep the interpreter fast and still give several tiles per row.
-CFG = ta.TreeAttentionConfig(backend="triton", block_q=16, block_k=16, block_q_dq=16,
-                             block_k_dq=16, block_q_dkv=16, block_k_dkv=16,
-                             interpret=True)
+CFG = ta.TreeAttentionConfig(backend="triton", block_q=16, block_k=16,
+                             block_q_dq=16, block_k_dq=16, block_q_dkv=16,
+                             block_k_dkv=16, interpret=True)
 N, K, H = 4, 2, 16
 
 
@@ -185,27 +185,32 @@ def test_live_entries_counts_visible_pairs():
 
 # ------------------------------------------------------------ mosaic GPU ---
 
-MOSAIC = ta.TreeAttentionConfig(backend="mosaic", mosaic_block_k=64,
-                                mosaic_block_k_dq=64, mosaic_block_q_dkv=64,
-                                interpret=True)
+# The default Mosaic tiles: forward k tiles of 128, dq and dk/dv tiles of 64.
+MOSAIC = ta.TreeAttentionConfig(backend="mosaic", interpret=True)
 
 
 def test_mosaic_kernels_match_reference():
-  """The Mosaic kernels in the GPU interpreter, bf16, GQA 4/2, head dim 64,
-  T = 300 (padded to three 128-row programs, up to six 64-wide k tiles
-  each, so the 2-slot ring wraps): row 0 a random forest with keys nobody reads,
-  row 1 one chain (plain causal attention). Full, partial and empty tiles
-  all occur; forward and the three gradients against the float32
-  reference."""
+  """The Mosaic kernels in the GPU interpreter, bf16, GQA 4/2, head dim 128,
+  T = 330 (padded to three 128-row programs with up to three 128-wide
+  forward k tiles and six 64-wide dq tiles, so the 2-slot ring wraps).
+  Row 0: a GRPO-shaped tree (prompt 192, two responses of 37) then a random
+  forest in later segments with keys nobody reads. Row 1: a causal chain of
+  128 tokens, then tokens nobody reads, so the second program's tile lists
+  are empty. Full, partial and empty tiles all occur; forward and the three
+  gradients against the float32 reference."""
   rng = np.random.default_rng(11)
-  T, Hm = 300, 64
-  se0, seg0 = random_forest(rng, T, max_pop=6)
-  se0 = np.where(rng.random(T) < 0.2, np.arange(T), se0).astype(np.int32)
-  se = jnp.asarray(np.stack([se0, np.full(T, T, np.int32)]))
+  T, Hm = 330, 128
+  se_f, seg_f = random_forest(rng, 64, max_pop=6)
+  se_f = np.where(rng.random(64) < 0.3, np.arange(64), se_f)
+  se0 = np.r_[np.full(192, 266), np.full(37, 229), np.full(37, 266),
+              266 + se_f].astype(np.int32)
+  seg0 = np.r_[np.ones(266), 1 + seg_f].astype(np.int32)
+  se1 = np.r_[np.full(128, 128), np.full(T - 128, 128)].astype(np.int32)
+  se = jnp.asarray(np.stack([se0, se1]))
   seg = jnp.asarray(np.stack([seg0, np.ones(T, np.int32)]))
   live, full = ta.block_classes(se[:, :256], seg[:, :256], 128, 64)
-  assert bool((live & ~full).any()) and bool(full.any()) and not bool(
-      live.all())
+  assert bool((live & ~full).any()) and bool(full[0].any())
+  assert not bool(live[1, 1].any())  # row 1, second program: empty list
   keys = jax.random.split(jax.random.key(0), 4)
   q, k, v = (jax.random.normal(kk, (2, T, n, Hm), jnp.bfloat16)
              for kk, n in zip(keys, (N, K, K)))
@@ -220,28 +225,31 @@ def test_mosaic_kernels_match_reference():
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   want = run(lambda q, k, v: ta.tree_attention_reference(q, k, v, se, seg),
              *f32)
-  causal = jax.nn.dot_product_attention(*(x[1:] for x in f32),
+  causal = jax.nn.dot_product_attention(*(x[1:, :128] for x in f32),
                                         is_causal=True, implementation="xla")
   rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)
                            / jnp.linalg.norm(b))
-  assert rel(got[0][1:], causal) < 1e-2
+  assert rel(got[0][1:, :128], causal) < 1e-2
   assert rel(got[0], want[0]) < 1e-2
   for g, r in zip(got[1], want[1]):
     assert rel(g, r) < 2e-2, (rel(g, r))
   nothing_visible = ~np.asarray(ta.tree_mask(se, seg)).any(-1)
-  assert nothing_visible.any()
+  assert nothing_visible[1, 128:].all() and nothing_visible[0, 266:].any()
   assert np.all(np.asarray(got[0], np.float32)[nothing_visible] == 0.0)
 
 
-def test_mosaic_kernels_lower_for_cuda():
+@pytest.mark.parametrize("tiles", [dict(), dict(mosaic_block_k_dq=128),
+                                   dict(mosaic_block_k=64, mosaic_stages=3)])
+def test_mosaic_kernels_lower_for_cuda(tiles):
   """Forward and backward lower to Mosaic GPU for CUDA at model shapes
-  (GQA 8/2, head dim 128, bf16) on a CPU-only host: catches ops with no
-  Mosaic lowering (e.g. an unoptimised load layout) without a GPU."""
+  (GQA 8/2, head dim 128, bf16) on a CPU-only host, for the benchmark's tile
+  configs: catches ops with no Mosaic lowering (e.g. an unoptimised load
+  layout) and tiles that overflow shared memory, without a GPU."""
   T, Hm = 512, 128
   se = jnp.asarray(np.r_[np.full(128, T), np.repeat([256, 384, 512], 128)],
                    jnp.int32)[None]
   spec = lambda n: jax.ShapeDtypeStruct((1, T, n, Hm), jnp.bfloat16)
-  cfg = ta.TreeAttentionConfig(backend="mosaic")
+  cfg = ta.TreeAttentionConfig(backend="mosaic", **tiles)
 
   def f(q, k, v, do):
     out, vjp = jax.vjp(lambda q, k, v: ta.tree_attention(q, k, v, se,
@@ -253,14 +261,28 @@ def test_mosaic_kernels_lower_for_cuda():
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 3
 
 
-def test_backend_choice():
-  bf16 = jnp.bfloat16
-  assert ta._resolve_backend(ta.TreeAttentionConfig(interpret=True), bf16,
-                             128).backend == "triton"
+def test_backend_choice(monkeypatch):
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  resolve = lambda cfg, *a: ta._resolve_backend(cfg, *a).backend
+  auto = ta.TreeAttentionConfig()
+  monkeypatch.setattr(ta, "_on_hopper", lambda: True)
+  assert resolve(auto, (bf16,) * 3, 128) == "mosaic"
+  assert resolve(auto, (f32,) * 3, 128) == "triton"
+  assert resolve(auto, (bf16,) * 3, 256) == "triton"
+  assert resolve(auto, (bf16, bf16, f32), 128) == "triton"
+  assert resolve(auto, (bf16,) * 3, 128, -1.0) == "triton"
+  interpreted = ta.TreeAttentionConfig(interpret=True)
+  assert resolve(interpreted, (bf16,) * 3, 128) == "triton"
+  monkeypatch.setattr(ta, "_on_hopper", lambda: False)
+  assert resolve(auto, (bf16,) * 3, 128) == "triton"
+  mosaic = ta.TreeAttentionConfig(backend="mosaic")
   with pytest.raises(ValueError, match="head_dim 64 or 128"):
-    ta._resolve_backend(ta.TreeAttentionConfig(backend="mosaic"),
-                        jnp.float32, 128)
-  with pytest.raises(ValueError, match="got bfloat16, head_dim=256"):
-    ta._resolve_backend(ta.TreeAttentionConfig(backend="mosaic"), bf16, 256)
+    resolve(mosaic, (f32,) * 3, 128)
+  with pytest.raises(ValueError, match="head_dim=256"):
+    resolve(mosaic, (bf16,) * 3, 256)
   with pytest.raises(ValueError, match="backend must be one of"):
     ta.TreeAttentionConfig(backend="cuda")
+  with pytest.raises(ValueError, match="mosaic_block_k must be 64 or 128"):
+    ta.TreeAttentionConfig(mosaic_block_k=32)
+  with pytest.raises(ValueError, match="mosaic_stages_dkv must be >= 1"):
+    ta.TreeAttentionConfig(mosaic_stages_dkv=0)
