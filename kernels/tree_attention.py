@@ -250,10 +250,16 @@ def _attention_fwd(q, k, v, se, seg, scale, cfg):
   return out, (q, k, v, se, seg, out, lse)
 
 
+def softmax_delta(out, do):
+  """delta [B, N, T] = rowsum(out * do), float32: the backward kernels'
+  softmax correction (dS = P * (dP - delta))."""
+  return jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
+                    do.astype(jnp.float32))
+
+
 def _attention_bwd(scale, cfg, res, do):
   q, k, v, se, seg, out, lse = res
-  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
-                     do.astype(jnp.float32))
+  delta = softmax_delta(out, do)
   dq_lists, dkv_lists = cfg.lists(se, seg, "dq"), cfg.lists(se, seg, "dkv")
   _, dq_kernel, dkv_kernel = _KERNELS[cfg.backend]
   dq = dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,

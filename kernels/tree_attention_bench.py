@@ -108,9 +108,7 @@ def kernel_passes(subtree_end, cfg, q, k, v, do):
   fwd, dq, dkv = (jax.jit(functools.partial(f, scale=scale, cfg=cfg))
                   for f in ta._KERNELS[cfg.backend])  # pylint: disable=protected-access
   out, lse = fwd(q, k, v, se, seg, *fwd_l)
-  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32),
-                     do.astype(jnp.float32))
-  bwd_args = (q, k, v, do, lse, delta, se, seg)
+  bwd_args = (q, k, v, do, lse, ta.softmax_delta(out, do), se, seg)
   return {"fwd": (fwd, (q, k, v, se, seg, *fwd_l), 2),
           "dq": (dq, bwd_args + tuple(dq_l), 3),
           "dkv": (dkv, bwd_args + tuple(dkv_l), 4)}

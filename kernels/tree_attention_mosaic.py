@@ -52,6 +52,9 @@ _M_INIT = -1e30  # finite: exp2(-inf - _M_INIT) = 0 for fully masked rows
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
+# Registers per thread: the producer gives up what the consumers take
+# (40 + 2 x 232 <= 512 per thread slot of the three warpgroups).
+_PRODUCER_REGISTERS, _CONSUMER_REGISTERS = 40, 232
 
 
 def _smem(shape, dtype):
@@ -88,7 +91,7 @@ def _producer(n_steps, stages, loads):
   interpreter requires every thread that waits on a barrier to have seen
   each of its completed phases before the barrier is freed. On a GPU it only
   keeps the producer alive until the consumers are done."""
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
   def wait_free(step):
     for consumed, _ in loads:
@@ -202,6 +205,13 @@ def _produce_kv(refs, smem, bars, frees, list_ref, b, qt, kvh, bk, n_live,
   _producer(n_live, stages, [load(0), load(1)])
 
 
+def _walk(step, n_full, n_live, carry):
+  """A consumer's pass over its tile list: the full tiles [0, n_full) with
+  no mask code, then the partial ones, `step(t, carry, masked)` each."""
+  carry = lax.fori_loop(0, n_full, lambda t, c: step(t, c, False), carry)
+  return lax.fori_loop(n_full, n_live, lambda t, c: step(t, c, True), carry)
+
+
 def _mask_keys(s, q_ids, seg_q, se_ref, seg_ref, b, k0, bk):
   """A partial tile with queries on rows and keys k0.. on columns: -inf
   where the key is hidden from the row's query."""
@@ -240,7 +250,7 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
 
     @pl.when(wg < _WGS)
     def _():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
       qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
       q0 = qt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], qo_smem,
@@ -289,10 +299,7 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
                plgpu.layout_cast(jnp.full((_HALF,), _M_INIT, jnp.float32),
                                  _ROW),
                plgpu.layout_cast(jnp.zeros((_HALF,), jnp.float32), _ROW))
-      carry = lax.fori_loop(0, n_full, lambda t, cr: step(t, cr, False),
-                            carry)
-      acc, m, l = lax.fori_loop(n_full, n_live,
-                                lambda t, cr: step(t, cr, True), carry)
+      acc, m, l = _walk(step, n_full, n_live, carry)
       pl.when(wg == 0)(take_turn)
 
       empty = l == 0.0
@@ -348,7 +355,7 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
 
     @pl.when(wg < _WGS)
     def _():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
       q0 = qt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], q_smem,
@@ -380,8 +387,7 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
         return dq
 
       dq = plgpu.layout_cast(jnp.zeros((_HALF, H), jnp.float32), _WGMMA)
-      dq = lax.fori_loop(0, n_full, lambda t, a: step(t, a, False), dq)
-      dq = lax.fori_loop(n_full, n_live, lambda t, a: step(t, a, True), dq)
+      dq = _walk(step, n_full, n_live, dq)
       q_smem[...] = (dq * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, _rows(q0), h])
@@ -417,8 +423,8 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, se_ref,
              seg_ref, list_ref, count_ref, dk_ref, dv_ref, k_smem2, v_smem2,
-             q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar,
-             q_free, do_free):
+             q_smem, do_smem, lse_smem, delta_smem, kv_bar, tile_bar,
+             tile_free):
     b, kvh = lax.axis_index("batch"), lax.axis_index("heads")
     kt = lax.axis_index("k_seq")
     wg = lax.axis_index("wg")
@@ -432,24 +438,18 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
 
     @pl.when(wg == _WGS)
     def _():
-      def load_q(step, s):
+      def load(step, s):  # q, do and their row vectors: one barrier
         h, rows = at(step)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[s],
-                                q_bar.at[s])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[s],
-                                q_bar.at[s])
-
-      def load_do(step, s):
-        h, rows = at(step)
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[s],
-                                do_bar.at[s])
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[s],
-                                do_bar.at[s])
-      _producer(G * n_live, stages, [(q_free, load_q), (do_free, load_do)])
+        for src, dst in ((q_ref.at[b, rows, h], q_smem),
+                         (do_ref.at[b, rows, h], do_smem),
+                         (lse_ref.at[b, h, rows], lse_smem),
+                         (delta_ref.at[b, h, rows], delta_smem)):
+          plgpu.copy_gmem_to_smem(src, dst.at[s], tile_bar.at[s])
+      _producer(G * n_live, stages, [(tile_free, load)])
 
     @pl.when(wg < _WGS)
     def _():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       k0 = kt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(k_ref.at[b, _rows(k0), kvh], k_smem,
@@ -465,15 +465,13 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
         dk, dv = carry
         st = g * n_live + t
         slot = lax.rem(st, stages)
-        plgpu.barrier_wait(q_bar.at[slot])
-        plgpu.barrier_wait(do_bar.at[slot])
+        plgpu.barrier_wait(tile_bar.at[slot])
         s, dp = _products([(k_smem, q_smem.at[slot].T),
                            (v_smem, do_smem.at[slot].T)], (_HALF, bq))
         if masked:
           q0 = list_ref[b, kt, t] * bq
           mask = _visible(k_ids, _iota(bq, _COL, q0), se_k, seg_k,
-                          _gload(seg_ref.at[b, _rows(q0, bq)],
-                                     layout=_COL),
+                          _gload(seg_ref.at[b, _rows(q0, bq)], layout=_COL),
                           keys_on_rows=True)
           s = jnp.where(mask, s, -jnp.inf)
         lse_q = plgpu.load(lse_smem.at[slot], layout=_COL)
@@ -483,15 +481,12 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
         dv, dk = _accumulate([(0, p.astype(dtype), do_smem.at[slot]),
                               (1, ds.astype(dtype), q_smem.at[slot])],
                              (dv, dk), cfg.interpret)
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
+        plgpu.barrier_arrive(tile_free.at[slot])
         return dk, dv
 
       def head(g, carry):
-        carry = lax.fori_loop(0, n_full,
-                              lambda t, cr: step(g, t, cr, False), carry)
-        return lax.fori_loop(n_full, n_live,
-                             lambda t, cr: step(g, t, cr, True), carry)
+        return _walk(lambda t, cr, masked: step(g, t, cr, masked), n_full,
+                     n_live, carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((_HALF, H), jnp.float32), _WGMMA)
       dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
@@ -513,9 +508,7 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.SMEM((stages, bq), jnp.float32),
       plgpu.Barrier(num_arrivals=2, num_barriers=_WGS),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=4, num_barriers=stages),
       plgpu.Barrier(num_arrivals=_WGS, num_barriers=stages),
   )
   kv = jax.ShapeDtypeStruct(k.shape, k.dtype)

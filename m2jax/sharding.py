@@ -30,7 +30,6 @@ import os
 import re
 
 import flax.linen as nn
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -326,7 +325,7 @@ def from_flags():
   if new != old:
     os.environ["XLA_FLAGS"] = new
     logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
-                 RAGGED_DECOMPOSER_FLAG)
+                    RAGGED_DECOMPOSER_FLAG)
   if f.distributed or f.coordinator_address is not None:
     initialize_distributed(f.coordinator_address, f.num_processes,
                            f.process_id)
