@@ -27,6 +27,11 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# MiniMax-M2's hub config.json `router_aux_loss_coef` (also HF's
+# MiniMaxM2Config default): the weight of the routers' balance loss.
+M2_ROUTER_AUX_LOSS_COEF = 0.001
+
+
 class ConfigError(ValueError):
   """A config field holds a value outside its allowed range."""
 
@@ -80,8 +85,9 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   # Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean - load).
   bias_update_rate: float = 1e-3
-  # Optional sequence-level load-balancing loss coefficient (0 = off).
-  aux_loss_coef: float = 0.0
+  # Sequence-wise load-balancing loss coefficient (0 = off; hub:
+  # router_aux_loss_coef), on top of the bias (m2jax.train.losses).
+  aux_loss_coef: float = M2_ROUTER_AUX_LOSS_COEF
   gmm_backend: str = "auto"
 
   # Multi-token prediction (hub: num_mtp_modules, mtp_transformer_layers).
@@ -200,6 +206,8 @@ M2_SMALL = ModelConfig(
     num_experts_per_tok=8,
     moe_intermediate_size=512,
     num_mtp_modules=1,
+    # Balanced by the bias alone: the ablations' baseline (SPEC §2).
+    aux_loss_coef=0.0,
 )
 
 # CPU-sized: tests and `make demo` (byte-level vocabulary).
@@ -217,6 +225,7 @@ TINY = ModelConfig(
     num_experts_per_tok=2,
     moe_intermediate_size=32,
     num_mtp_modules=1,
+    aux_loss_coef=0.0,
     compute_dtype="float32",
 )
 

@@ -78,6 +78,21 @@ def _init(cfg):
 
 def test_hub_config_is_the_minimax_m2_preset():
   assert hf.config_from_hf(M2_HUB_CONFIG) == config_lib.MINIMAX_M2
+  assert config_lib.MINIMAX_M2.aux_loss_coef == 0.001
+
+
+def test_router_aux_loss_coef_maps_both_ways():
+  """Hub router_aux_loss_coef <-> ModelConfig.aux_loss_coef; absent = HF's."""
+  assert hf.config_from_hf(
+      {**M2_HUB_CONFIG, "router_aux_loss_coef": 0.25}).aux_loss_coef == 0.25
+  absent = {k: v for k, v in M2_HUB_CONFIG.items()
+            if k != "router_aux_loss_coef"}
+  assert hf.config_from_hf(absent).aux_loss_coef == 0.001  # MiniMaxM2Config
+  for coef in (0.0, 0.0123):
+    cfg = TINY.replace(aux_loss_coef=coef)
+    hub = json.loads(json.dumps(hf.config_to_hf(cfg)))
+    assert hub["router_aux_loss_coef"] == coef
+    assert hf.config_from_hf(hub, compute_dtype=cfg.compute_dtype) == cfg
 
 
 @pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
@@ -94,7 +109,7 @@ def test_config_round_trip(name):
 def test_config_to_hf_field_names():
   hub = hf.config_to_hf(config_lib.MINIMAX_M2)
   for key, value in M2_HUB_CONFIG.items():
-    if key not in ("quantization_config", "torch_dtype", "router_aux_loss_coef"):
+    if key not in ("quantization_config", "torch_dtype"):
       assert hub[key] == value, key
   assert hub["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e6,
                                     "partial_rotary_factor": 0.5}
@@ -210,7 +225,7 @@ def test_load_keeps_checkpoint_dtype():
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_save_load_round_trip(tmp_path, param_dtype):
-  cfg = TINY.replace(param_dtype=param_dtype)
+  cfg = TINY.replace(param_dtype=param_dtype, aux_loss_coef=0.02)
   variables = _init(cfg)
   path = tmp_path / "ckpt"
   hf.save(str(path), cfg, variables, max_shard_bytes=200_000)
@@ -331,3 +346,19 @@ def test_load_errors_name_the_problem(tmp_path):
   path = _edited_copy(tmp_path / "quant", FP8, edit_config=quant)
   with pytest.raises(hf.CheckpointError, match="quant_method='gptq'"):
     hf.load(path)
+
+
+def test_load_reads_router_aux_loss_coef(tmp_path):
+  # The fixtures' config.json (scripts/make_hf_fixtures.py HUB_CONFIG) does
+  # not carry the field: HF's MiniMaxM2Config default applies.
+  with open(os.path.join(FP8, "config.json")) as f:
+    assert "router_aux_loss_coef" not in json.load(f)
+  assert hf.load(FP8)[0].aux_loss_coef == 0.001
+  path = _edited_copy(tmp_path, FP8, edit_config=lambda c: c.update(
+      router_aux_loss_coef=0.05))
+  cfg, variables = hf.load(path)
+  assert cfg.aux_loss_coef == 0.05
+  hf.save(str(tmp_path / "saved"), cfg, variables)
+  with open(tmp_path / "saved" / "config.json") as f:
+    assert json.load(f)["router_aux_loss_coef"] == 0.05
+  assert hf.load(str(tmp_path / "saved"))[0] == cfg

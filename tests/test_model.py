@@ -142,11 +142,12 @@ def test_moe_equals_dense_per_expert_loop():
   D, E = cfg.hidden_size, cfg.num_experts
   mod = moe.MoE(cfg)
   x = jax.random.normal(jax.random.key(3), (2, 6, D))
-  valid = jnp.ones((2, 6), bool)
-  v = nn.meta.unbox(mod.init(jax.random.key(4), x, valid))
+  seg = jnp.ones((2, 6), jnp.int32)
+  valid = seg != 0
+  v = nn.meta.unbox(mod.init(jax.random.key(4), x, seg, valid))
   v = {"params": v["params"],
        "expert_bias": {"bias": jax.random.normal(jax.random.key(5), (E,))}}
-  y, _ = mod.apply(v, x, valid)
+  y, _ = mod.apply(v, x, seg, valid)
 
   p, bias = v["params"], v["expert_bias"]["bias"]
   xt = np.asarray(x.reshape(-1, D), np.float64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from m2jax.config import FULL, ModelConfig
+from m2jax.config import FULL, M2_ROUTER_AUX_LOSS_COEF, ModelConfig
 
 HUB_ARCHITECTURE = "MiniMaxM2ForCausalLM"
 HUB_MODEL_TYPE = "minimax_m2"
@@ -39,6 +39,7 @@ _HF_DEFAULTS = {
     "use_routing_bias": True, "routed_scaling_factor": 1.0,
     "shared_intermediate_size": 0, "num_mtp_modules": 0,
     "mtp_transformer_layers": 1, "sliding_window": None,
+    "router_aux_loss_coef": M2_ROUTER_AUX_LOSS_COEF,
 }
 
 
@@ -62,9 +63,13 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
 
   Absent fields mean what HF transformers assumes. Fields that are not hub
   fields (compute_dtype, gmm_backend, bias_update_rate, ...) come from
-  `overrides`. Raises CheckpointError for anything m2jax would compute
-  differently: linear attention layers, non-per-layer QK norm, shared
-  experts, tied embeddings, RoPE scaling, another activation.
+  `overrides`. `router_aux_loss_coef` becomes `aux_loss_coef`: the same
+  role (the balance loss's weight), applied by m2jax to DeepSeek-V3's
+  sequence-wise loss (HF applies it, only with output_router_logits, to a
+  Switch-style loss over the whole batch). Raises CheckpointError for
+  anything m2jax would compute differently: linear attention layers,
+  non-per-layer QK norm, shared experts, tied embeddings, RoPE scaling,
+  another activation.
   """
   model_type = hf.get("model_type", HUB_MODEL_TYPE)
   if model_type != HUB_MODEL_TYPE:
@@ -126,6 +131,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
       num_mtp_modules=int(hub["num_mtp_modules"]) if use_mtp else 0,
       mtp_transformer_layers=int(hub["mtp_transformer_layers"]),
       initializer_range=float(hub["initializer_range"]),
+      aux_loss_coef=float(hub["router_aux_loss_coef"]),
   )
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -178,6 +184,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
       "scoring_func": config.gating,
       "use_routing_bias": config.use_routing_bias,
       "routed_scaling_factor": config.routed_scaling_factor,
+      "router_aux_loss_coef": config.aux_loss_coef,
       "use_mtp": config.num_mtp_modules > 0,
       "num_mtp_modules": config.num_mtp_modules,
       "mtp_transformer_layers": config.mtp_transformer_layers,

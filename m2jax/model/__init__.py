@@ -107,20 +107,31 @@ def routing_stats(config: ModelConfig, variables, tokens_BxT, *,
 
 
 def _bias_paths(config: ModelConfig, mtp_depth: int) -> list[str]:
-  """Bias leaves in the order of ModelOutput.routing then .mtp_routing."""
+  """Bias leaves in the order of ModelOutput.routing then .mtp_routing.
+
+  Row i of the stacked load comes from the i-th MoE that ran: layers 0..L-1,
+  then MTP module 0's blocks, module 1's, ... (transformer.Transformer).
+  """
   paths = [f"layers_{i}/moe/bias" for i in range(config.num_layers)]
   paths += [f"mtp_{k}/block_{j}/moe/bias" for k in range(mtp_depth)
             for j in range(config.mtp_transformer_layers)]
   return paths
 
 
+def _path_name(path) -> str:
+  return "/".join(getattr(k, "key", str(k)) for k in path)
+
+
 def update_expert_biases(config: ModelConfig, expert_bias, out: ModelOutput,
                          rate: float | None = None):
   """Aux-loss-free update of every bias the forward pass routed with.
 
-  Uses the per-layer load in `out.routing` (and `out.mtp_routing` for the
-  MTP blocks that ran); biases of MTP modules that did not run stay as they
-  are. Pure: returns the new "expert_bias" tree.
+  Each bias moves by its own router's load: the main layers' from
+  `out.routing.load_E` [L, E], the MTP blocks' from `out.mtp_routing.load_E`
+  [depth * mtp_transformer_layers, E]; biases of MTP modules that did not run
+  stay as they are. Raises if a router that ran has no bias in
+  `expert_bias` (a renamed module would otherwise stop balancing
+  silently). Pure: returns the new "expert_bias" tree.
   """
   rate = config.bias_update_rate if rate is None else rate
   if not expert_bias or out.routing is None:
@@ -129,13 +140,19 @@ def update_expert_biases(config: ModelConfig, expert_bias, out: ModelOutput,
   if out.mtp_routing is not None:
     loads.append(out.mtp_routing.load_E)
   load = jnp.concatenate(loads, axis=0)
-  depth = len(out.mtp_logits)
-  index = {p: i for i, p in enumerate(_bias_paths(config, depth))}
+  paths = _bias_paths(config, len(out.mtp_logits))
+  if load.shape[0] != len(paths):
+    raise ValueError(f"routing statistics have {load.shape[0]} load rows, "
+                     f"the config's routers that ran are {len(paths)}")
+  index = {p: i for i, p in enumerate(paths)}
+  present = {_path_name(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(expert_bias)[0]}
+  missing = [p for p in paths if p not in present]
+  if missing:
+    raise ValueError(f"expert_bias has no leaf for routers {missing}")
 
   def update(path, bias):
-    key = "/".join(getattr(k, "key", str(k)) for k in path)
-    if key not in index:
-      return bias
-    return update_expert_bias(bias, load[index[key]], rate)
+    i = index.get(_path_name(path))
+    return bias if i is None else update_expert_bias(bias, load[i], rate)
 
   return jax.tree_util.tree_map_with_path(update, expert_bias)

@@ -67,41 +67,71 @@ def route(x_TxD, router_DxE, bias_E, *, top_k: int, gating: str,
 
 
 class RoutingStats(NamedTuple):
-  """Per-layer routing statistics over the valid (non-padding) tokens."""
+  """Per-layer routing statistics over the counted (non-padding) tokens."""
   load_E: jax.Array       # number of (token, choice) pairs per expert
-  aux_loss: jax.Array     # sequence-level balance loss (unscaled)
+  aux_loss: jax.Array     # sequence-wise balance loss, mean over documents
   entropy: jax.Array      # mean entropy of the normalised gate scores
   # (token, choice) pairs that found no room in an expert-parallel capacity
   # buffer (int32, all devices); 0 unless a capacity factor is set.
   dropped: jax.Array = 0
 
 
-def routing_stats(routing: Routing, valid_BxT, num_experts: int,
-                  dropped=None) -> RoutingStats:
-  """Load per expert, the sequence-level aux loss and the router entropy.
+def document_slots(doc_ids_BxT):
+  """Each token's document as an index in [0, T) of its own row [B, T].
 
-  aux loss (DeepSeek-V3, per sequence, averaged over the batch):
-    f_e = E / (K * T_b) * #{tokens of the sequence routed to e}
-    P_e = mean over the sequence's tokens of s_e / sum(s)
-    L   = sum_e f_e * P_e          (1.0 when perfectly balanced)
+  Tokens of a row that share an id share a slot; ids need not be small or
+  contiguous (attention groups tokens by equality of id, and so does this).
   """
-  B, T = valid_BxT.shape
+  B = doc_ids_BxT.shape[0]
+  order = jnp.argsort(doc_ids_BxT, axis=1, stable=True)
+  ids = jnp.take_along_axis(doc_ids_BxT, order, axis=1)
+  starts = jnp.concatenate([jnp.ones((B, 1), bool), ids[:, 1:] != ids[:, :-1]],
+                           axis=1)
+  rank = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1
+  return jnp.take_along_axis(rank, jnp.argsort(order, axis=1), axis=1)
+
+
+def routing_stats(routing: Routing, doc_ids_BxT, num_experts: int,
+                  dropped=None) -> RoutingStats:
+  """Load per expert, the sequence-wise aux loss and the router entropy.
+
+  `doc_ids_BxT` are the segment ids of the tokens that count (0 = not
+  counted: padding, or MTP positions past their document's end). A
+  "sequence" of the balance loss is one document: the tokens of one row that
+  share an id, never the whole packed row.
+
+  aux loss (DeepSeek-V3's sequence-wise balance loss, E experts, top-K):
+    for each document d of n_d counted tokens,
+      f_e = E / (K * n_d) * #{(t, k): t in d, expert_k(t) = e}
+      P_e = 1 / n_d * sum_{t in d} s_{t,e} / sum_e' s_{t,e'}
+      L_d = sum_e f_e * P_e        (1.0 when perfectly balanced)
+    aux = mean of L_d over the documents of the batch (every document
+    weighs the same, whatever its length or row; 0 with no document).
+
+  A one-hot over at most T document slots per row feeds a segment sum, so
+  the cost is [B*T, E] like the load, never [T, T].
+  """
+  B, T = doc_ids_BxT.shape
   K = routing.experts_TxK.shape[-1]
-  valid = valid_BxT.astype(jnp.float32)
-  onehot = jax.nn.one_hot(routing.experts_TxK, num_experts, dtype=jnp.float32)
-  counts_BxTxE = onehot.sum(axis=1).reshape(B, T, num_experts)
-  counts_BxTxE = counts_BxTxE * valid[..., None]
-  load = counts_BxTxE.sum(axis=(0, 1))
+  E = num_experts
+  counted = (doc_ids_BxT != 0).reshape(B * T).astype(jnp.float32)
+  onehot = jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32)
+  counts_TxE = onehot.sum(axis=1) * counted[:, None]
+  load = counts_TxE.sum(axis=0)
 
   probs = routing.scores_TxE / jnp.sum(routing.scores_TxE, -1, keepdims=True)
-  probs_BxTxE = probs.reshape(B, T, num_experts) * valid[..., None]
-  n_b = jnp.maximum(valid.sum(axis=1), 1.0)
-  f = counts_BxTxE.sum(axis=1) * num_experts / (K * n_b[:, None])
-  p = probs_BxTxE.sum(axis=1) / n_b[:, None]
-  aux = jnp.mean(jnp.sum(f * p, axis=-1))
+  row_start = T * jnp.arange(B, dtype=jnp.int32)[:, None]
+  slot = (document_slots(doc_ids_BxT) + row_start).reshape(B * T)
+  per_doc = lambda x: jax.ops.segment_sum(x, slot, num_segments=B * T)
+  n_S = per_doc(counted)
+  n = jnp.maximum(n_S, 1.0)[:, None]
+  f_SxE = per_doc(counts_TxE) * E / (K * n)
+  p_SxE = per_doc(probs * counted[:, None]) / n
+  num_docs = jnp.sum(n_S > 0)
+  aux = jnp.sum(f_SxE * p_SxE) / jnp.maximum(num_docs, 1)
 
   ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
-  entropy = jnp.sum(ent * valid.reshape(-1)) / jnp.maximum(valid.sum(), 1.0)
+  entropy = jnp.sum(ent * counted) / jnp.maximum(counted.sum(), 1.0)
   dropped = jnp.zeros((), jnp.int32) if dropped is None else dropped
   return RoutingStats(load, aux, entropy, dropped)
 
@@ -238,11 +268,15 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
 
 
 class MoE(nn.Module):
-  """Sparse MoE FFN. Returns (output [B, T, D], RoutingStats)."""
+  """Sparse MoE FFN. Returns (output [B, T, D], RoutingStats).
+
+  `segment_ids_BxT` (0 = padding) and `valid_BxT` (the tokens the routing
+  statistics count) only feed the statistics: every token is routed.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, valid_BxT):
+  def __call__(self, x_BxTxD, segment_ids_BxT, valid_BxT):
     cfg = self.config
     B, T, D = x_BxTxD.shape
     E, F = cfg.num_experts, cfg.moe_intermediate_size
@@ -277,7 +311,8 @@ class MoE(nn.Module):
                                    mesh=mesh, token_axes=axes,
                                    backend=cfg.gmm_backend)
     y = y.astype(cdt).reshape(B, T, D)
-    stats = routing_stats(routing, valid_BxT, E, dropped)
+    doc_ids = jnp.where(valid_BxT, segment_ids_BxT, 0)
+    stats = routing_stats(routing, doc_ids, E, dropped)
     return constrain(y, ("act_batch", "act_length", "act_embed")), stats
 
 

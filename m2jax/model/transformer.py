@@ -56,7 +56,7 @@ class Block(nn.Module):
                                                      subtree_end)
     h = norm("ffn_norm")(x)
     if cfg.ffn_type == "moe":
-      y, stats = MoE(cfg, name="moe")(h, valid)
+      y, stats = MoE(cfg, name="moe")(h, segment_ids, valid)
     else:
       y, stats = DenseFFN(cfg, name="mlp")(h), None
     return x + y, stats
@@ -154,9 +154,11 @@ class Transformer(nn.Module):
     """Forward pass; `mtp_depth` MTP modules run after the main model.
 
     segment_ids: 0 marks padding (excluded from routing statistics); tokens
-    never attend across different ids. positions default to restarting at
-    every segment start. subtree_end (and, for MTP, parent) switch to the
-    tree layout of the module docstring; positions are then required.
+    never attend across different ids, and each id of a row is one document
+    (one sequence) of the MoE's sequence-wise aux loss. positions default
+    to restarting at every segment start. subtree_end (and, for MTP,
+    parent) switch to the tree layout of the module docstring; positions
+    are then required.
     """
     tree = subtree_end_BxT is not None
     if tree and positions_BxT is None:

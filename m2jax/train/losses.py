@@ -1,7 +1,16 @@
 """Training losses and the metrics that come with them.
 
-  loss = CE(next token) + w_mtp * mean_k CE_k(token t+k+1)
-         + aux_coef * mean_layers(aux) + z_coef * mean(logsumexp^2)
+  loss = w_main * (CE(next token) + aux_coef * mean_layers(aux))
+         + w_mtp * (mean_k CE_k(token t+k+1) + aux_coef * mean_mtp_blocks(aux))
+         + z_coef * mean(logsumexp^2)
+
+Every router that ran pays the balance loss (moe.routing_stats: the
+sequence-wise loss, mean over documents) at the weight of the loss its
+module trains on: the main layers' at w_main (1, or 0 while the MTP
+modules grow alone), the MTP blocks' at w_mtp, averaged over the blocks of
+all depths that ran as the CE is over depths. So the balance term keeps the
+same ratio to the CE on every router; the MTP routers are not balanced
+harder than their own objective is weighted.
 
 Every term averages over valid targets only: a pair (t, t+s) counts when
 both tokens sit in the same non-padding segment, so documents packed in one
@@ -47,7 +56,8 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
   """The training objective and its metrics for one batch.
 
   `main_weight` = 0 trains the MTP modules alone (growth phase); the main CE
-  is still reported.
+  is still reported. `aux_coef` scales the routers' balance loss (module
+  docstring for how the main and MTP routers are weighted).
   """
   tokens, seg = batch["tokens"], batch["segment_ids"]
   targets, mask = next_token_targets(tokens, seg, 1)
@@ -79,7 +89,12 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
 
   if out.routing is not None:
     if aux_coef:
-      loss = loss + aux_coef * jnp.mean(out.routing.aux_loss)
+      loss = loss + main_weight * aux_coef * jnp.mean(out.routing.aux_loss)
     metrics.update(routing_metrics(out.routing))
+  if out.mtp_routing is not None:
+    if aux_coef:
+      loss = loss + mtp_weight * aux_coef * jnp.mean(out.mtp_routing.aux_loss)
+    metrics.update({f"mtp/{k}": v
+                    for k, v in routing_metrics(out.mtp_routing).items()})
   metrics["loss"] = loss
   return loss, metrics
