@@ -48,11 +48,114 @@ def test_shapes_and_dtypes():
   chex.assert_tree_all_finite(out)
 
 
-def test_jit_matches_eager():
-  v = _variables(CFG)
-  tok = _tokens((1, 8))
-  eager = model.logits(CFG, v, tok)
-  np.testing.assert_allclose(_forward(CFG)(v, tok).logits, eager, atol=1e-5)
+# ---------------------------------------------------------------------------
+# An independent float64 forward pass (SPEC §1 "Forward"), one row at a time.
+
+def _np_rms(x, scale, eps, ndim=1):
+  axes = tuple(range(x.ndim - ndim, x.ndim))
+  return x / np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + eps) * scale
+
+
+def _np_rope(x_TxNxH, pos_T, rd, theta):
+  half = rd // 2
+  angle = pos_T[:, None] * theta ** (-2 * np.arange(half) / rd)
+  cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+  x1, x2 = x_TxNxH[..., :half], x_TxNxH[..., half:rd]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin,
+                         x_TxNxH[..., rd:]], axis=-1)
+
+
+def _np_block(cfg, p, bias_E, x_TxD, seg_T, pos_T):
+  eps, N, K, H = (cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
+                  cfg.head_dim)
+  a, T = p["attn"], x_TxD.shape[0]
+  h = _np_rms(x_TxD, p["attn_norm"]["scale"], eps)
+  q = np.einsum("td,dnh->tnh", h, a["q_proj"])
+  k = np.einsum("td,dkh->tkh", h, a["k_proj"])
+  v = np.einsum("td,dkh->tkh", h, a["v_proj"])
+  q = _np_rms(q, a["q_norm"]["scale"], eps, ndim=2)  # the whole projection
+  k = _np_rms(k, a["k_norm"]["scale"], eps, ndim=2)
+  q = _np_rope(q, pos_T, cfg.rotary_dim, cfg.rope_theta)
+  k = _np_rope(k, pos_T, cfg.rotary_dim, cfg.rope_theta)
+  allowed = np.tril(np.ones((T, T), bool)) & (seg_T[:, None] == seg_T[None])
+  o = np.zeros((T, N, H))
+  for n in range(N):
+    kv = n // (N // K)
+    s = np.where(allowed, q[:, n] @ k[:, kv].T / np.sqrt(H), -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    o[:, n] = w / w.sum(-1, keepdims=True) @ v[:, kv]
+  x = x_TxD + np.einsum("tnh,nhd->td", o, a["o_proj"])
+  h = _np_rms(x, p["ffn_norm"]["scale"], eps)
+  m = p["moe"]
+  scores = 1 / (1 + np.exp(-(h @ m["router"])))
+  y = np.zeros_like(h)
+  for t in range(T):
+    chosen = np.argsort(-(scores[t] + bias_E))[:cfg.num_experts_per_tok]
+    w = scores[t, chosen] / scores[t, chosen].sum() * cfg.routed_scaling_factor
+    for e, we in zip(chosen, w):
+      g, u = h[t] @ m["w1"][e], h[t] @ m["w3"][e]
+      y[t] += we * ((g / (1 + np.exp(-g)) * u) @ m["w2"][e])
+  return x + y
+
+
+def _np_forward(cfg, variables, tokens_T, seg_T, mtp_depth):
+  """(logits [T, V], [MTP logits [T, V]] * mtp_depth) in float64."""
+  f64 = lambda t: {k: f64(x) if isinstance(x, dict) else
+                   np.asarray(x, np.float64) for k, x in t.items()}
+  p, bias = f64(variables["params"]), f64(variables[model.EXPERT_BIAS])
+  idx = np.arange(len(seg_T))
+  starts = np.r_[True, seg_T[1:] != seg_T[:-1]]
+  pos = idx - np.maximum.accumulate(np.where(starts, idx, 0))
+  eps = cfg.rms_norm_eps
+  head = lambda h: _np_rms(h, p["final_norm"]["scale"], eps) @ p["lm_head"]
+  x = p["embedding"][tokens_T]
+  for i in range(cfg.num_layers):
+    x = _np_block(cfg, p[f"layers_{i}"], bias[f"layers_{i}"]["moe"]["bias"],
+                  x, seg_T, pos)
+  logits, mtp, h = head(x), [], x
+  for k in range(1, mtp_depth + 1):
+    m, b = p[f"mtp_{k - 1}"], bias[f"mtp_{k - 1}"]
+    ahead = np.r_[tokens_T[k:], np.zeros(k, int)]
+    h = np.concatenate(
+        [_np_rms(p["embedding"][ahead], m["embed_norm"]["scale"], eps),
+         _np_rms(h, m["hidden_norm"]["scale"], eps)], axis=-1) @ m["proj"]
+    for j in range(cfg.mtp_transformer_layers):
+      h = _np_block(cfg, m[f"block_{j}"], b[f"block_{j}"]["moe"]["bias"], h,
+                    seg_T, pos)
+    mtp.append(head(h))
+  return logits, mtp
+
+
+def test_forward_matches_float64_numpy_reference():
+  """Logits and MTP logits of packed rows (two documents and padding; one
+  whole row) against the reference above. Weights are scaled so attention,
+  RoPE, norms gains and routing all matter: each of full-head RoPE, per-head
+  QK norm, biased combine weights, GQA as h % KV, no segment mask, a swapped
+  MTP concat or a wrong MTP shift moves the logits by > 0.4 (tolerance
+  2e-5). The HF parity tests (test_hf.py) cover the main model against HF
+  but never MTP or packed segments."""
+  cfg = CFG
+  shapes = jax.eval_shape(lambda: model.init(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+
+  def fill(path, s):
+    if path[-1].key == "scale":
+      return jnp.asarray(1 + 0.3 * rng.normal(size=s.shape), s.dtype)
+    std = {"embedding": 1.0, "bias": 0.3}.get(path[-1].key, 0.15)
+    return jnp.asarray(rng.normal(0, std, s.shape), s.dtype)
+  v = jax.tree_util.tree_map_with_path(fill, shapes)
+  tok = np.asarray(_tokens((2, 12), seed=11))
+  seg = np.array([[1] * 5 + [2] * 5 + [0] * 2, [1] * 12])
+  out = _forward(cfg, 2)(v, jnp.asarray(tok), segment_ids=jnp.asarray(seg))
+  for b in range(2):
+    ref, ref_mtp = _np_forward(cfg, v, tok[b], seg[b], 2)
+    ok = seg[b] != 0
+    np.testing.assert_allclose(np.asarray(out.logits[b])[ok], ref[ok],
+                               atol=2e-5)
+    for k in (1, 2):   # positions whose token t + k is in t's document
+      ok_k = ok & (np.r_[seg[b][k:], [-1] * k] == seg[b])
+      np.testing.assert_allclose(np.asarray(out.mtp_logits[k - 1][b])[ok_k],
+                                 ref_mtp[k - 1][ok_k], atol=2e-5)
 
 
 def test_causality_by_gradient():
@@ -271,8 +374,39 @@ def test_dense_ffn_variant_and_bf16():
                     num_mtp_modules=0)
   v = model.init(cfg, jax.random.key(0))
   assert "mlp" in v["params"]["layers_0"] and "expert_bias" not in v
-  out = _forward(cfg)(v, _tokens((1, 6)))
+  tok = _tokens((1, 6))
+  out = _forward(cfg)(v, tok)
   assert out.routing is None
+
+  # The FFN itself against w2(silu(w1 x) * w3 x) in float64, with weights
+  # large enough that silu is far from linear.
+  D, F = cfg.hidden_size, cfg.dense_intermediate_size
+  rng = np.random.default_rng(0)
+  w1, w3 = (rng.normal(0, 1.5 / np.sqrt(D), (D, F)) for _ in range(2))
+  w2 = rng.normal(0, 1 / np.sqrt(F), (F, D))
+  x = rng.normal(size=(2, 5, D))
+  silu = lambda a: a / (1 + np.exp(-a))
+  ref = silu(x @ w1) * (x @ w3) @ w2
+  params = {"params": {n: jnp.asarray(w, jnp.float32)
+                       for n, w in (("w1", w1), ("w3", w3), ("w2", w2))}}
+  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b)
+                           / np.linalg.norm(b))
+  ffn = lambda c: moe.DenseFFN(c).apply(params, jnp.asarray(x, jnp.float32))
+  assert rel(ffn(cfg), ref) < 1e-5
+  # bf16 compute: about 2^-8 relative rounding; a wrong FFN is far outside.
   bf = cfg.replace(compute_dtype="bfloat16")
-  np.testing.assert_allclose(_forward(bf)(v, _tokens((1, 6))).logits,
-                             out.logits, atol=5e-2)
+  assert rel(ffn(bf), ref) < 2e-2
+  for wrong in (silu(x @ w3) * (x @ w1) @ w2,        # gate and up swapped
+                (x @ w1) * (x @ w3) @ w2,            # no silu
+                silu(x @ w1) @ w2):                  # no up projection
+    assert rel(wrong, ref) > 0.3
+
+  # Whole model, bf16 against float32: dropping the FFN moves the logits by
+  # about 0.1 relative, bf16 rounding by about 0.007.
+  logits_bf = _forward(bf)(v, tok).logits
+  assert rel(logits_bf, np.asarray(out.logits, np.float64)) < 2e-2
+  no_ffn = jax.tree_util.tree_map_with_path(
+      lambda p, w: jnp.zeros_like(w) if any(
+          getattr(k, "key", None) == "mlp" for k in p) else w, v)
+  assert rel(_forward(cfg)(no_ffn, tok).logits,
+             np.asarray(out.logits, np.float64)) > 5e-2
