@@ -21,7 +21,9 @@ drops in RoutingStats.dropped. Without a mesh nothing changes.
 
 The expert bias lives in the non-trainable collection "expert_bias"; it is
 updated outside the gradient by `update_expert_bias` from the per-expert
-load the model returns (DeepSeek-V3's aux-loss-free balancing).
+load the model returns (DeepSeek-V3's aux-loss-free balancing). The small
+sequence-wise balance loss that remains (`routing_stats`) treats each
+document (segment) of a packed row as its own sequence.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def routing_stats(routing: Routing, doc_ids_BxT, num_experts: int,
   `doc_ids_BxT` are the segment ids of the tokens that count (0 = not
   counted: padding, or MTP positions past their document's end). A
   "sequence" of the balance loss is one document: the tokens of one row that
-  share an id, never the whole packed row.
+  share an id, never the whole packed row (in the prefix-tree layout, one
+  tree, each shared token counted once).
 
   aux loss (DeepSeek-V3's sequence-wise balance loss, E experts, top-K):
     for each document d of n_d counted tokens,
@@ -108,8 +111,8 @@ def routing_stats(routing: Routing, doc_ids_BxT, num_experts: int,
     aux = mean of L_d over the documents of the batch (every document
     weighs the same, whatever its length or row; 0 with no document).
 
-  A one-hot over at most T document slots per row feeds a segment sum, so
-  the cost is [B*T, E] like the load, never [T, T].
+  Tokens are summed into at most T document slots per row (a segment sum),
+  so the cost is [B*T, E] like the load, never [T, T].
   """
   B, T = doc_ids_BxT.shape
   K = routing.experts_TxK.shape[-1]
