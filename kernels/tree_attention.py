@@ -10,14 +10,12 @@ iff
 (SPEC §3, §6). A chain (subtree_end[j] = end of j's segment) is plain causal
 attention over packed documents. The mask is never materialised as [T, T]:
 
-  tree_attention(q, k, v, subtree_end, segment_ids)   the entry point,
-      GQA (query head h reads KV head h // (N / K)); its backends (the same
-      names as kernels/gmm.py: each names a lowering, see
-      TreeAttentionConfig.backend) are the Pallas kernels, forward and
-      backward as a custom VJP: on Hopper the Mosaic GPU ones
-      (kernels/tree_attention_mosaic.py: TMA ring, warp-specialised
-      wgmma), elsewhere the portable Triton ones
-      (kernels/tree_attention_triton.py); and "xla", the reference below.
+  tree_attention(q, k, v, subtree_end, segment_ids)   the entry point, GQA
+      (query head h reads KV head h // (N / K)). Backends, named after their
+      lowering as in kernels/gmm.py (TreeAttentionConfig.backend): "mosaic"
+      (kernels/tree_attention_mosaic.py: TMA ring, warp-specialised wgmma;
+      Hopper) and "triton" (kernels/tree_attention_triton.py: portable
+      Pallas), forward and backward as a custom VJP; "xla", the reference.
   tree_attention_reference(...)   pure jnp, dense mask, float32 softmax.
 
 Per tile (q rows a..b, k cols c..d) `block_lists` classifies the tile as
