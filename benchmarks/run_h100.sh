@@ -18,7 +18,7 @@ quiet() { grep -v '^[IW][0-9]\{4\} '; }
 case "${1:-train}" in
   train)
     timeout 500 python3 -m experiments.bench_train --preset=m2_small \
-      --batch_size=8 --seq_len=2048 --steps=10 --backends=pallas \
+      --batch_size=8 --seq_len=2048 --steps=10 --backends=mosaic \
       --output=$OUT/train_m2_small.json 2>&1 | quiet ;;
   gmm)
     timeout 540 python3 -m experiments.bench_gmm --out=$OUT/gmm_h100.json \

@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags
 
-from experiments import exchange_timing
+from benchmarks import exchange
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gpus", 4, "GPUs in the exchange.")
@@ -40,8 +40,8 @@ VARIANTS = {
 
 
 def _child(variant):
-  rec = exchange_timing.time_exchange(FLAGS.gpus, FLAGS.rows, FLAGS.width,
-                      dense=variant.startswith("dense"))
+  rec = exchange.time_exchange(FLAGS.gpus, FLAGS.rows, FLAGS.width,
+                               dense=variant.startswith("dense"))
   print(json.dumps(dict(variant=variant, flags=VARIANTS[variant], **rec)))
 
 

@@ -6,7 +6,7 @@ GPU ragged_dot (a few configs), JAX's `ragged_dot_mgpu` /
 `transposed_ragged_dot_mgpu` (a small tile sweep) and kernels.gmm, forward
 and forward+backward; checks each result against float32; prints a table and
 writes JSON. TFLOP/s count only real rows: 2 * sum(group_sizes) * K * N per
-product (x3 for forward+backward).
+product, x3 for forward+backward (m2jax.params.matmul_flops).
 
   python -m experiments.bench_gmm --out=benchmarks/results/gmm_h100.json
 """
@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gmm_bench as gb
+from benchmarks import gmm_cases as gb
+from benchmarks import timing
 from kernels import gmm_mosaic
+from m2jax import params
 
 _TOKENS = flags.DEFINE_list("tokens", ["16384", "4096"], "token counts T")
 _PROJS = flags.DEFINE_list("projs", ["up", "down"], "up: K=3072,N=1536; "
@@ -89,11 +91,12 @@ class Checker:
 
   def __call__(self, mode, out):
     if mode == "fwd":
-      return gb.rel_err(out[self.rows], self.fwd)
+      return timing.rel_err(out[self.rows], self.fwd)
     if mode == "dlhs":
-      return gb.rel_err(out[self.rows], self.dx)
+      return timing.rel_err(out[self.rows], self.dx)
     if mode == "tgmm":
-      return max(gb.rel_err(out[g], r) for g, r in zip(self.groups, self.dw))
+      return max(timing.rel_err(out[g], r)
+                 for g, r in zip(self.groups, self.dw))
     return max(self.parts(out).values())
 
   def parts(self, out):
@@ -152,20 +155,22 @@ def _candidates(impl, mode, proj, sweep_peers, best):
   raise ValueError(f"unknown impl {impl}")
 
 
-def _run_one(name, desc, fn, args, check, mode, flops, record):
+def _run_one(name, desc, fn, args, check, mode, rows, k, n, record):
   kind = {"jax_mgpu_tgmm": "tgmm", "ours_tgmm": "tgmm", "ours_dlhs": "dlhs",
           "jax_mgpu_dlhs": "dlhs"}.get(name, mode)
   if name.startswith("ours_swiglu"):
     kind = "swiglu"
   try:
-    sec, out = gb.time_fn(jax.jit(fn), args)
+    sec, out = timing.time_fn(jax.jit(fn), *args, reps=7, warmup=1,
+                              min_time=0.1)
     # The dense ceiling computes a different product: nothing to check.
     err = None if name == "dense" or kind == "swiglu" else check(kind, out)
     parts = (check.parts(out) if kind == "fwdbwd" and name != "dense"
              else None)
     del out
-    n_products = {"fwdbwd": 3, "swiglu": 2}.get(kind, 1)
-    tflops = n_products * flops / sec / 1e12
+    width = 2 * n if kind == "swiglu" else n  # SwiGLU: two weights at once
+    flops = params.matmul_flops(rows, k, width, backward=kind == "fwdbwd")
+    tflops = flops / sec / 1e12
     rec = dict(name=name, config=desc, mode=kind, ms=sec * 1e3,
                tflops=tflops, rel_err=err, rel_err_parts=parts,
                ok=err is None or err <= _MAX_ERR)
@@ -194,13 +199,14 @@ def main(argv):
                  top_k=_TOP_K.value, max_rel_err=_MAX_ERR, records=[])
   best = {}
   dense_cache = {}
-  gb.warm_up_clocks()
+  timing.warm_up_clocks()
   for t in map(int, _TOKENS.value):
     for proj in _PROJS.value:
       for routing in _ROUTINGS.value:
         args, gs_np = _problem(t, proj, routing)
         k, n = _SHAPES[proj]
-        flops = 2 * int(gs_np.sum()) * k * n
+        rows = int(gs_np.sum())  # real rows: the FLOPs count only these
+        flops = params.matmul_flops(rows, k, n)
         check = Checker(args, gs_np)
         sweep_peers = not best.get((proj, "swept"))
         print(f"T={t} {proj} K={k} N={n} {routing}: max group "
@@ -225,7 +231,7 @@ def main(argv):
             for name, desc, fn in cands:
               rec = dict(tokens=t, proj=proj, routing=routing, K=k, N=n,
                          flops=flops, impl=impl)
-              _run_one(name, desc, fn, args, check, mode, flops, rec)
+              _run_one(name, desc, fn, args, check, mode, rows, k, n, rec)
               results["records"].append(rec)
               if impl == "dense":
                 dense_cache[(t, proj, mode)] = rec
@@ -300,7 +306,8 @@ def _summary(results):
       elif mode == "fwdbwd":
         jt, jd = get("jax_mgpu_tgmm", "tgmm"), get("jax_mgpu_dlhs", "dlhs")
         if jm and jt and jd:
-          jm_tf = 3 * jm["flops"] / (jm["ms"] + jd["ms"] + jt["ms"]) / 1e9
+          jm_tf = (params.FWD_BWD * jm["flops"]
+                   / (jm["ms"] + jd["ms"] + jt["ms"]) / 1e9)
       vals = dict(dense=dense and dense["tflops"], xla=xla and xla["tflops"],
                   tokamax=tk and tk["tflops"], jax_mgpu=jm_tf,
                   ours=ours and ours["tflops"])

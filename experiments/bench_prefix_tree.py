@@ -30,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
+from benchmarks import tree_attention_cases as tb
 from kernels import tree_attention as ta
-from kernels import tree_attention_bench as tb
-from kernels.timing import time_fn
 from m2jax import config as config_lib
 from m2jax import model
+from m2jax import params as params_lib
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
 
@@ -54,10 +55,11 @@ _ATTN_GROUPS = flags.DEFINE_list(
 _TILES = flags.DEFINE_list(
     "tiles", ["mosaic:128.64.64.2", "mosaic:128.128.64.2",
               "mosaic:64.64.64.3", "triton:128.128.64.64.64.64.8.2.4.2"],
-    "tree-attention configs, BACKEND:TILES. mosaic: block_k.block_k_dq."
-    "block_q_dkv.stages[.stages_dkv]; triton: bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv."
-    "warps.stages.warps_bwd.stages_bwd (a bare list is triton). The first "
-    "one is the default")
+    "tree-attention configs, BACKEND:TILES "
+    "(kernels.tree_attention.TreeAttentionConfig.from_string). mosaic: "
+    "block_k.block_k_dq.block_q_dkv.stages[.stages_dkv]; triton: "
+    "bq.bk.bq_dq.bk_dq.bq_dkv.bk_dkv.warps.stages.warps_bwd.stages_bwd (a bare "
+    "list is triton). The first one is the default")
 _TOKAMAX = flags.DEFINE_list("tokamax", ["mosaic", "triton"],
                              "tokamax implementations to time")
 # Model problem.
@@ -78,22 +80,7 @@ _AGENT_REWRITE = flags.DEFINE_bool(
 
 
 def _tile_config(text):
-  backend, _, tiles = text.rpartition(":")
-  if backend not in ("mosaic", "triton", ""):
-    raise ValueError(f"--tiles: unknown backend {backend!r} in {text!r} "
-                     "(mosaic:... or triton:...)")
-  v = [int(x) for x in tiles.split(".")]
-  if backend == "mosaic":
-    names = ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv",
-             "mosaic_stages", "mosaic_stages_dkv")
-    v += v[3:4] * (5 - len(v))  # stages_dkv defaults to stages
-    return ta.TreeAttentionConfig(backend="mosaic", interpret=_INTERPRET.value,
-                                  **dict(zip(names, v, strict=True)))
-  names = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv",
-           "block_k_dkv", "num_warps", "num_stages", "num_warps_bwd",
-           "num_stages_bwd")
-  return ta.TreeAttentionConfig(backend="triton", interpret=_INTERPRET.value,
-                                **dict(zip(names, v, strict=True)))
+  return ta.TreeAttentionConfig.from_string(text, interpret=_INTERPRET.value)
 
 
 def _record(results, key, value):
@@ -128,7 +115,7 @@ def _check_ours_on_device(results):
   bad, checked = {}, {}
   for tile in _TILES.value:  # every config: any may become the model's
     got = jax.jit(tb.ours(se, _tile_config(tile), backward=True))(q, k, v, do)
-    errs = {n: tb.rel_err(g, w) for n, g, w in
+    errs = {n: timing.rel_err(g, w) for n, g, w in
             zip(("out", "dq", "dk", "dv"), got, want)}
     print(f"correctness {tile} (bf16 vs float32 reference, rel. L2):", errs)
     checked[tile] = errs
@@ -177,10 +164,10 @@ def _time_attention(results, failed):
              "live_fraction_of_causal": live / causal}
       for mode, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
         try:
-          t = time_fn(jax.jit(fn), q, k, v, do, reps=_REPS.value)
+          t, _ = timing.time_fn(jax.jit(fn), q, k, v, do, reps=_REPS.value)
           row[f"{mode}_ms"] = t * 1e3
-          row[f"{mode}_tflops"] = tb.attention_flops(
-              entries, N, H, mode == "fwdbwd") / t / 1e12
+          row[f"{mode}_tflops"] = params_lib.attention_flops(
+              entries, N, H, backward=mode == "fwdbwd") / t / 1e12
         except Exception as e:  # pylint: disable=broad-except
           row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
           print(f"{spec} {name} {mode}: {row[f'{mode}_error']}")
@@ -206,10 +193,10 @@ def _time_kernels(results):
     try:
       for name, (fn, args, mm) in tb.kernel_passes(
           se, _tile_config(tile), q, k, v, do).items():
-        t = time_fn(fn, *args, reps=_REPS.value)
+        t, _ = timing.time_fn(fn, *args, reps=_REPS.value)
         row[f"{name}_ms"] = t * 1e3
-        row[f"{name}_tflops_with_recompute"] = (2 * mm * N * H * live / t
-                                                / 1e12)
+        row[f"{name}_tflops_with_recompute"] = (
+            params_lib.attention_product_flops(live, N, H, mm) / t / 1e12)
     except Exception as e:  # pylint: disable=broad-except
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
@@ -273,21 +260,6 @@ def _model_config():
   return cfg
 
 
-def step_flops(cfg, tokens: int, entries: int) -> float:
-  """Forward+backward FLOPs: 6 per token per active weight, attention 3.5x
-  its forward 4*N*H per live entry, per layer."""
-  D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  attn_w = D * (N + 2 * K) * H + N * H * D
-  if cfg.ffn_type == "moe":
-    ffn_w = 3 * D * cfg.moe_intermediate_size * cfg.num_experts_per_tok
-    ffn_w += D * cfg.num_experts
-  else:
-    ffn_w = 3 * D * cfg.dense_intermediate_size
-  weights = cfg.num_layers * (attn_w + ffn_w) + D * cfg.vocab_size
-  attn = 4.0 * N * H * entries * cfg.num_layers
-  return 6.0 * weights * tokens + 3.5 * attn
-
-
 def _make_step(cfg, variables):
   def loss_fn(params, row):
     out = model.forward(cfg, dict(variables, params=params), row["tokens"],
@@ -321,7 +293,7 @@ def _time_layout(step, params, trees, rng):
   rows = [jax.device_put(r) for r in _rows(trees, rng)]
   jax.block_until_ready(step(params, rows[0]))
   reps = 3 if len(rows) <= 4 else 1
-  return sum(time_fn(step, params, row, reps=reps, warmup=0)
+  return sum(timing.time_fn(step, params, row, reps=reps, warmup=0)[0]
              for row in rows)
 
 
@@ -357,7 +329,8 @@ def _time_model(results, remat=False):
       entries = trees.attention_entries()
       row[name] = {"rows": int(trees.tokens.shape[0]),
                    "tokens": trees.num_tokens, "attention_entries": entries,
-                   "flops": step_flops(cfg, trees.num_tokens, entries)}
+                   "flops": params_lib.train_flops(cfg, trees.num_tokens,
+                                                   entries)}
       row[name]["seconds"] = _time_layout(step, params, trees, rng)
       row[name]["tflops"] = row[name]["flops"] / row[name]["seconds"] / 1e12
     u, m = row["unmerged"], row["merged"]
@@ -402,9 +375,10 @@ def main(argv):
     try:
       rows = _time_attention(results, failed)
       best = _best_tiles(rows, failed)
-      ta.DEFAULT_CONFIG = _tile_config(best)
-      _record(results, "model_tiles", best)
-      print("tiles for the model step:", best)
+      # The model step runs the default TreeAttentionConfig (tree attention
+      # reads no global); `best` is what its run settings should carry.
+      _record(results, "best_tiles", best)
+      print("fastest tiles that passed the device check:", best)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
   if "kernels" in _SECTIONS.value:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import exchange_timing
+from benchmarks import exchange
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
@@ -258,8 +258,7 @@ def main(argv):
     n = max(r["n"] for r in runs)
     rows = FLAGS.batch_per_gpu * FLAGS.seq_len * mcfg.num_experts_per_tok
     try:
-      result["all_to_all"] = exchange_timing.time_exchange(
-          n, rows, mcfg.hidden_size)
+      result["all_to_all"] = exchange.time_exchange(n, rows, mcfg.hidden_size)
       # Forward: dispatch + return; backward: the same two again.
       layers = mcfg.num_layers + 1  # + the MTP block
       result["all_to_all"]["per_step_ms_estimate"] = round(

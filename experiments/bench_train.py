@@ -1,7 +1,7 @@
 """Training throughput of a preset: tokens/s and MFU per grouped-matmul backend.
 
   python -m experiments.bench_train --preset=m2_small --batch_size=8 \
-      --seq_len=2048 --backends=pallas,xla --output=benchmarks/results/x.json
+      --seq_len=2048 --backends=mosaic,xla --output=benchmarks/results/x.json
 
 Times the jitted train step (forward, backward, AdamW, bias update) on
 random token batches, after warm-up, as the median over --steps steps.
@@ -33,7 +33,8 @@ flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
 flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 flags.DEFINE_integer("steps", 10, "Timed steps (after 3 warm-up steps).")
-flags.DEFINE_list("backends", ["pallas", "xla"], "gmm backends to compare.")
+flags.DEFINE_list("backends", ["mosaic", "xla"],
+                  "gmm backends to compare (kernels.gmm.BACKENDS).")
 flags.DEFINE_string("output", None, "JSON file for the results.")
 
 
@@ -46,7 +47,8 @@ def _dense_matmul_tflops(n=8192, reps=20) -> float:
   for _ in range(reps):
     out = f(a, b)
   out.block_until_ready()
-  return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+  seconds = time.perf_counter() - t
+  return params.matmul_flops(n, n, n) * reps / seconds / 1e12
 
 
 def bench(backend: str) -> dict:

@@ -3,7 +3,7 @@
   python -m experiments.pretrain --preset=tiny --steps=300 --workdir=runs/tiny
   python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
   python -m experiments.pretrain --preset=m2_small --data=/path/*.jsonl \
-      --seq_len=2048 --batch_size=16 --override=gmm_backend=pallas
+      --seq_len=2048 --batch_size=16 --override=gmm_backend=mosaic
   python -m experiments.pretrain --preset=m2_small --mesh=expert=4 \
       --seq_len=2048 --batch_size=32          # 4 GPUs, expert parallel
 

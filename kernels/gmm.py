@@ -5,14 +5,21 @@
 `jax.lax.ragged_dot` semantics: rows past `sum(group_sizes)` give zeros,
 groups may be empty, accumulation is float32.
 
-Backends:
-  "xla"    `jax.lax.ragged_dot` (kernels/gmm_ref.py), differentiated by JAX.
-  "pallas" the Hopper kernels (kernels/gmm_mosaic.py) with a custom VJP:
-           dlhs = gmm(grad, rhs^T), drhs = tgmm(lhs, grad).
-  "auto"   "pallas" on a GPU when the shapes suit it, else "xla".
-`interpret=True` runs the same Mosaic GPU kernels in Pallas' GPU interpreter
-(CPU, slow, tiny shapes); `interpret="portable"` runs the portable Pallas
-variant of the same tiling (kernels/gmm_portable.py).
+Backends (the same names as kernels/tree_attention.py: each names a lowering):
+  "xla"     `jax.lax.ragged_dot` (kernels/gmm_ref.py, the reference),
+            differentiated by JAX.
+  "mosaic"  the Hopper kernels (kernels/gmm_mosaic.py: wgmma + TMA, warp
+            specialised) with a custom VJP: dlhs = gmm(grad, rhs^T),
+            drhs = tgmm(lhs, grad).
+  "triton"  the portable Pallas kernels of the same row schedule
+            (kernels/gmm_triton.py), same custom VJP; any CUDA GPU.
+  "auto"    "mosaic" where it runs (a GPU, or interpret=True) and the shapes
+            suit it, else "xla".
+`interpret=True` runs the chosen Pallas backend on CPU (slow, tiny shapes):
+"mosaic" in Pallas' Mosaic GPU interpreter, "triton" in the portable one.
+`tiles` (a `gmm_mosaic.TileConfig`) fixes the Mosaic kernels' tiles for the
+forward and both gradient kernels; None picks them per shape. Only the
+"mosaic" kernels read it.
 
 Example:
   out_MxN = gmm(x_MxK, w_GxKxN, group_sizes_G)
@@ -20,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,10 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import gmm_mosaic
-from kernels import gmm_portable
 from kernels import gmm_ref
+from kernels import gmm_triton
 
-BACKENDS = ("auto", "xla", "pallas")
+BACKENDS = ("auto", "xla", "mosaic", "triton")
+# Names used before the backends were named after their lowering.
+_RENAMED = {"pallas": "mosaic"}
 _KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
 
 # The kernels behind one jit each: every layer calling them with the same
@@ -43,7 +53,19 @@ _mosaic_tgmm = jax.jit(gmm_mosaic.tgmm,
                        static_argnames=("out_dtype", "config", "interpret"))
 
 
-def _check_backend(backend):
+@dataclasses.dataclass(frozen=True)
+class _Kernels:
+  """The Pallas kernels a call runs (a static argument of the custom VJPs)."""
+  backend: str  # "mosaic" or "triton"
+  interpret: bool
+  tiles: gmm_mosaic.TileConfig | None
+
+
+def check_backend(backend: str) -> None:
+  """Raises a one-line error unless `backend` is one of BACKENDS."""
+  if backend in _RENAMED:
+    raise ValueError(f"gmm backend {backend!r} is now called "
+                     f"{_RENAMED[backend]!r}; choose one of {BACKENDS}")
   if backend not in BACKENDS:
     raise ValueError(f"gmm backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -52,32 +74,34 @@ def _on_gpu():
   return jax.default_backend() == "gpu"
 
 
-def _pallas_supported(lhs, k, n, n_multiple):
+def _kernel_supported(lhs, k, n, n_multiple):
   # K % 128: the weight-gradient kernel tiles K by 128 output rows.
   return lhs.dtype in _KERNEL_DTYPES and k % 128 == 0 and n % n_multiple == 0
 
 
-def _mode(backend, interpret, lhs, k, n, n_multiple=64):
-  """The implementation: xla, mosaic, mosaic_interpret or portable."""
-  _check_backend(backend)
+def _resolve(backend, interpret, tiles, lhs, k, n, n_multiple=64):
+  """The kernels to run, or None for the XLA reference."""
+  check_backend(backend)
+  if not isinstance(interpret, bool):
+    raise ValueError(f"gmm interpret must be True or False, got {interpret!r} "
+                     f"(the portable interpreter is backend='triton', "
+                     f"interpret=True)")
+  if tiles is not None and not isinstance(tiles, gmm_mosaic.TileConfig):
+    raise ValueError(f"gmm tiles must be a gmm_mosaic.TileConfig or None, got "
+                     f"{tiles!r}")
   if backend == "xla":
-    return "xla"
-  if interpret == "portable":
-    return "portable"
-  if interpret:
-    return "mosaic_interpret"
+    return None
+  supported = _kernel_supported(lhs, k, n, n_multiple)
+  runs = interpret or _on_gpu()
   if backend == "auto":
-    supported = _pallas_supported(lhs, k, n, n_multiple)
-    return "mosaic" if _on_gpu() and supported else "xla"
-  if not _pallas_supported(lhs, k, n, n_multiple):
+    return _Kernels("mosaic", interpret, tiles) if runs and supported else None
+  if not supported:
     raise ValueError(
-        f"gmm backend='pallas' needs bf16/f16 inputs with K % 128 == 0 and "
+        f"gmm backend={backend!r} needs bf16/f16 inputs with K % 128 == 0 and "
         f"N % {n_multiple} == 0; got {lhs.dtype}, K={k}, N={n}")
-  if _on_gpu():
-    return "mosaic"
-  if interpret is None:
-    return "mosaic_interpret"
-  raise ValueError("gmm backend='pallas' needs a GPU or interpret=True")
+  if not runs:
+    raise ValueError(f"gmm backend={backend!r} needs a GPU or interpret=True")
+  return _Kernels(backend, interpret, tiles)
 
 
 def _validate(lhs, rhs, group_sizes):
@@ -95,40 +119,42 @@ def _validate(lhs, rhs, group_sizes):
                      f"{group_sizes.dtype}")
 
 
-def _fwd_kernel(mode, lhs, rhs, gs, out_dtype, transpose_rhs=False):
-  if mode == "portable":
-    return gmm_portable.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
-                            out_dtype=out_dtype)
+def _fwd_kernel(kern, lhs, rhs, gs, out_dtype, transpose_rhs=False):
+  if kern.backend == "triton":
+    return gmm_triton.gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
+                          out_dtype=out_dtype, interpret=kern.interpret)
   return _mosaic_gmm(lhs, rhs, gs, transpose_rhs=transpose_rhs,
-                     out_dtype=out_dtype, interpret=mode == "mosaic_interpret")
+                     out_dtype=out_dtype, config=kern.tiles,
+                     interpret=kern.interpret)
 
 
-def _tgmm_kernel(mode, lhs, grad, gs, out_dtype):
-  if mode == "portable":
-    return gmm_portable.tgmm(lhs, grad, gs, out_dtype=out_dtype)
-  return _mosaic_tgmm(lhs, grad, gs, out_dtype=out_dtype,
-                      interpret=mode == "mosaic_interpret")
+def _tgmm_kernel(kern, lhs, grad, gs, out_dtype):
+  if kern.backend == "triton":
+    return gmm_triton.tgmm(lhs, grad, gs, out_dtype=out_dtype,
+                           interpret=kern.interpret)
+  return _mosaic_tgmm(lhs, grad, gs, out_dtype=out_dtype, config=kern.tiles,
+                      interpret=kern.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm_kernel(lhs, rhs, group_sizes, out_dtype, mode):
-  return _fwd_kernel(mode, lhs, rhs, group_sizes, out_dtype)
+def _gmm_kernel(lhs, rhs, group_sizes, out_dtype, kern):
+  return _fwd_kernel(kern, lhs, rhs, group_sizes, out_dtype)
 
 
-def _gmm_kernel_fwd(lhs, rhs, group_sizes, out_dtype, mode):
-  out = _fwd_kernel(mode, lhs, rhs, group_sizes, out_dtype)
+def _gmm_kernel_fwd(lhs, rhs, group_sizes, out_dtype, kern):
+  out = _fwd_kernel(kern, lhs, rhs, group_sizes, out_dtype)
   return out, (lhs, rhs, group_sizes)
 
 
-def _gmm_kernel_bwd(out_dtype, mode, res, grad):
+def _gmm_kernel_bwd(out_dtype, kern, res, grad):
   del out_dtype
   lhs, rhs, group_sizes = res
   # The tensor cores take both operands in one dtype: the cotangent is cast to
   # the input dtype (bf16), accumulation stays float32.
   grad = grad.astype(lhs.dtype)
-  dlhs = _fwd_kernel(mode, grad, rhs, group_sizes, lhs.dtype,
+  dlhs = _fwd_kernel(kern, grad, rhs, group_sizes, lhs.dtype,
                      transpose_rhs=True)
-  drhs = _tgmm_kernel(mode, lhs, grad, group_sizes, rhs.dtype)
+  drhs = _tgmm_kernel(kern, lhs, grad, group_sizes, rhs.dtype)
   dgs = np.zeros(group_sizes.shape, dtype=jax.dtypes.float0)
   return dlhs, drhs, dgs
 
@@ -137,22 +163,24 @@ _gmm_kernel.defvjp(_gmm_kernel_fwd, _gmm_kernel_bwd)
 
 
 def gmm(lhs, rhs, group_sizes, *, preferred_element_type=None, backend="auto",
-        interpret=None):
+        interpret: bool = False,
+        tiles: gmm_mosaic.TileConfig | None = None):
   """Grouped matmul [M, K] x [G, K, N] -> [M, N]. See the module docstring."""
   _validate(lhs, rhs, group_sizes)
-  mode = _mode(backend, interpret, lhs, rhs.shape[1], rhs.shape[2])
-  if mode == "xla":
+  kern = _resolve(backend, interpret, tiles, lhs, rhs.shape[1], rhs.shape[2])
+  if kern is None:
     return gmm_ref.gmm_ref(lhs, rhs, group_sizes,
                            preferred_element_type=preferred_element_type)
   if lhs.dtype != rhs.dtype:
-    raise ValueError(f"gmm pallas backend needs equal dtypes, got {lhs.dtype} "
-                     f"and {rhs.dtype}")
+    raise ValueError(f"gmm backend={kern.backend!r} needs equal dtypes, got "
+                     f"{lhs.dtype} and {rhs.dtype}")
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-  return _gmm_kernel(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype, mode)
+  return _gmm_kernel(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype, kern)
 
 
 def tgmm(lhs, grad, group_sizes, *, preferred_element_type=None,
-         backend="auto", interpret=None):
+         backend="auto", interpret: bool = False,
+         tiles: gmm_mosaic.TileConfig | None = None):
   """Transposed grouped matmul [M, K] x [M, N] -> [G, K, N] (weight gradient).
 
   out[g] = lhs[rows of g]^T @ grad[rows of g]; empty groups give zeros.
@@ -161,34 +189,37 @@ def tgmm(lhs, grad, group_sizes, *, preferred_element_type=None,
     raise ValueError(f"tgmm expects lhs [M, K] and grad [M, N]; got "
                      f"{lhs.shape}, {grad.shape}")
   k, n = lhs.shape[1], grad.shape[1]
-  mode = _mode(backend, interpret, lhs, k, n)
-  if mode == "xla":
+  kern = _resolve(backend, interpret, tiles, lhs, k, n)
+  if kern is None:
     return gmm_ref.tgmm_ref(lhs, grad, group_sizes,
                             preferred_element_type=preferred_element_type)
   out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-  return _tgmm_kernel(mode, lhs, grad.astype(lhs.dtype),
+  return _tgmm_kernel(kern, lhs, grad.astype(lhs.dtype),
                       group_sizes.astype(jnp.int32), out_dtype)
 
 
-def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto", interpret=None):
+def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto",
+               interpret: bool = False,
+               tiles: gmm_mosaic.TileConfig | None = None):
   """silu(gmm(lhs, w1)) * gmm(lhs, w3): the experts' gated up-projection.
 
-  The "pallas" backend computes both products in one kernel (lhs tiles read
-  once, the gate applied in the epilogue); the backward recomputes the two
-  products and reuses gmm/tgmm.
+  The "mosaic" backend computes both products in one kernel (lhs tiles read
+  once, the gate applied in the epilogue; `tiles.tile_n` counts the columns
+  of both weights); "triton" runs the two products unfused. The backward
+  recomputes the two products and reuses gmm/tgmm.
   """
   _validate(lhs, w1, group_sizes)
   if w1.shape != w3.shape:
     raise ValueError(f"gmm_swiglu: w1 {w1.shape} and w3 {w3.shape} differ")
   # The fused kernel takes 128 columns of each weight per work item.
-  mode = _mode(backend, interpret, lhs, w1.shape[1], w1.shape[2],
-               n_multiple=128)
-  if mode == "xla":
+  kern = _resolve(backend, interpret, tiles, lhs, w1.shape[1], w1.shape[2],
+                  n_multiple=128)
+  if kern is None:
     f32 = jnp.float32
     a = gmm_ref.gmm_ref(lhs, w1, group_sizes, preferred_element_type=f32)
     b = gmm_ref.gmm_ref(lhs, w3, group_sizes, preferred_element_type=f32)
     return _swiglu_epilogue(a, b).astype(lhs.dtype)
-  return _swiglu_kernel(lhs, w1, w3, group_sizes.astype(jnp.int32), mode)
+  return _swiglu_kernel(lhs, w1, w3, group_sizes.astype(jnp.int32), kern)
 
 
 def _swiglu_epilogue(a, b):
@@ -196,35 +227,35 @@ def _swiglu_epilogue(a, b):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _swiglu_kernel(lhs, w1, w3, group_sizes, mode):
-  if mode == "portable":  # unfused: the portable path checks the VJP math
+def _swiglu_kernel(lhs, w1, w3, group_sizes, kern):
+  if kern.backend == "triton":  # unfused: the portable path checks the VJP
     f32 = jnp.float32
-    a = gmm_portable.gmm(lhs, w1, group_sizes, out_dtype=f32)
-    b = gmm_portable.gmm(lhs, w3, group_sizes, out_dtype=f32)
+    a = _fwd_kernel(kern, lhs, w1, group_sizes, f32)
+    b = _fwd_kernel(kern, lhs, w3, group_sizes, f32)
     return _swiglu_epilogue(a, b).astype(lhs.dtype)
   return _mosaic_gmm(lhs, w1, group_sizes, rhs2=w3,
-                     epilogue_fn=_swiglu_epilogue,
-                     interpret=mode == "mosaic_interpret")
+                     epilogue_fn=_swiglu_epilogue, config=kern.tiles,
+                     interpret=kern.interpret)
 
 
-def _swiglu_fwd(lhs, w1, w3, group_sizes, mode):
-  return _swiglu_kernel(lhs, w1, w3, group_sizes, mode), (lhs, w1, w3,
+def _swiglu_fwd(lhs, w1, w3, group_sizes, kern):
+  return _swiglu_kernel(lhs, w1, w3, group_sizes, kern), (lhs, w1, w3,
                                                           group_sizes)
 
 
-def _swiglu_bwd(mode, res, grad):
+def _swiglu_bwd(kern, res, grad):
   lhs, w1, w3, gs = res
   f32 = jnp.float32
-  a = _fwd_kernel(mode, lhs, w1, gs, f32)
-  b = _fwd_kernel(mode, lhs, w3, gs, f32)
+  a = _fwd_kernel(kern, lhs, w1, gs, f32)
+  b = _fwd_kernel(kern, lhs, w3, gs, f32)
   grad = grad.astype(f32)
   sig = jax.nn.sigmoid(a)
   da = (grad * b * sig * (1 + a * (1 - sig))).astype(lhs.dtype)
   db = (grad * a * sig).astype(lhs.dtype)
-  dlhs = (_fwd_kernel(mode, da, w1, gs, f32, transpose_rhs=True)
-          + _fwd_kernel(mode, db, w3, gs, f32, transpose_rhs=True))
-  dw1 = _tgmm_kernel(mode, lhs, da, gs, w1.dtype)
-  dw3 = _tgmm_kernel(mode, lhs, db, gs, w3.dtype)
+  dlhs = (_fwd_kernel(kern, da, w1, gs, f32, transpose_rhs=True)
+          + _fwd_kernel(kern, db, w3, gs, f32, transpose_rhs=True))
+  dw1 = _tgmm_kernel(kern, lhs, da, gs, w1.dtype)
+  dw3 = _tgmm_kernel(kern, lhs, db, gs, w3.dtype)
   return (dlhs.astype(lhs.dtype), dw1, dw3,
           np.zeros(gs.shape, dtype=jax.dtypes.float0))
 

@@ -10,11 +10,12 @@ Two kernels share one persistent, warp-specialised skeleton:
 * `tgmm(lhs[M, K], grad[M, N]) -> [G, K, N]`: the weight gradient; each group's
   rows are the contraction, read straight from `lhs` (no transpose in HBM).
 
-Skeleton (one CTA per SM, three warpgroups): warpgroup 2 only issues TMA loads
-into a ring of `stages` shared-memory slots and never waits for an epilogue,
-so it runs into the next tile while warpgroups 0 and 1 drain theirs. Each
-compute warpgroup owns half of the tile's rows (64 x tile_n accumulator); when
-a partial tile leaves a half empty, that warpgroup skips its wgmmas.
+Skeleton (one CTA per SM, the three warpgroups of kernels/mosaic_pipeline.py):
+warpgroup 2 only issues TMA loads into a ring of `stages` shared-memory slots
+and never waits for an epilogue, so it runs into the next tile while
+warpgroups 0 and 1 drain theirs. Each compute warpgroup owns half of the
+tile's rows (64 x tile_n accumulator); when a partial tile leaves a half
+empty, that warpgroup skips its wgmmas.
 
 The tile schedule (which group, first row, valid rows) is computed by a few
 XLA ops before the kernel, so the kernel never searches group boundaries.
@@ -30,28 +31,36 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels import mosaic_pipeline as pipeline
+
 _ROW_ALIGN = 8  # TMA row offsets into 8-row-tiled smem
-_HALF = 64  # rows of the tile owned by each of the two compute warpgroups
-_NUM_COMPUTE_WGS = 2
-_MEMORY_REGISTERS = 40
-# What the compute warpgroups may take of the 512 registers per thread slot
-# left after the producer (a multiple of 8, at most 256).
-_COMPUTE_REGISTERS = min(256, (512 - _MEMORY_REGISTERS) // _NUM_COMPUTE_WGS
-                         // 8 * 8)
+_HALF = pipeline.ROWS_PER_CONSUMER  # rows of the tile per compute warpgroup
+_NUM_COMPUTE_WGS = pipeline.CONSUMERS
 
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
   """Tile shape of one CTA work item.
 
-  tile_n: output columns per work item (wgmma N; <= 256).
+  tile_n: output columns per work item (wgmma N; a multiple of 64, <= 256).
   tile_k: contraction per pipeline stage (64 = one 128-byte swizzle row).
-  stages: shared-memory ring depth.
+  stages: shared-memory ring depth (>= 1).
+  Frozen and hashable: the jitted kernels take it as a static argument.
   """
   tile_n: int = 256
   tile_k: int = 64
   stages: int = 3
   no_auto_barriers: bool = True
+
+  def __post_init__(self):
+    if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+      raise ValueError(f"TileConfig.tile_n must be 64, 128, 192 or 256, got "
+                       f"{self.tile_n}")
+    if self.tile_k <= 0 or self.tile_k % 64:
+      raise ValueError(f"TileConfig.tile_k must be a positive multiple of 64, "
+                       f"got {self.tile_k}")
+    if self.stages < 1:
+      raise ValueError(f"TileConfig.stages must be >= 1, got {self.stages}")
 
   @property
   def tile_m(self) -> int:
@@ -65,28 +74,20 @@ def pick_config(n: int, k: int, *, stages: int | None = None) -> TileConfig:
   tile_n = next((t for t in (256, 192, 128, 64) if n % t == 0), None)
   if tile_n is None or k % 64:
     raise ValueError(
-        f"gmm pallas backend needs N % 64 == 0 and K % 64 == 0, got N={n}, "
+        f"gmm mosaic backend needs N % 64 == 0 and K % 64 == 0, got N={n}, "
         f"K={k}")
   if stages is None:
     stages = 3 if tile_n > 128 else 4
   return TileConfig(tile_n=tile_n, tile_k=64, stages=stages)
 
 
-def _num_sms(interpret) -> int:
+def _num_sms(interpret: bool) -> int:
   if interpret:
     return 4  # a few simulated SMs keep the interpreter fast
   try:
     return jax.devices("gpu")[0].core_count
   except RuntimeError:  # lowering for a GPU from a CPU-only host
     return 132
-
-
-def _interpret_params(interpret):
-  if not interpret:
-    return None
-  if isinstance(interpret, plgpu.InterpretGPUParams):
-    return interpret
-  return plgpu.InterpretGPUParams()  # uninitialised memory reads as NaN
 
 
 def _swizzled(shape, dtype, *, row_tile=8):
@@ -101,16 +102,9 @@ def _kernel_call(body, out_type, *, interpret, cfg):
   params = plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
       unsafe_no_auto_barriers=cfg.no_auto_barriers)
-  return plgpu.kernel(
-      body,
-      out_type=out_type,
-      grid=(_num_sms(interpret),),
-      grid_names=("sm",),
-      num_threads=_NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=_interpret_params(interpret),
-  )
+  return pipeline.kernel(body, out_type, grid=(_num_sms(interpret),),
+                         grid_names=("sm",), compiler_params=params,
+                         interpret=interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -272,43 +266,21 @@ def _pipelined_k_loop(nsteps, step0, stages, produced, consumed, mma):
     plgpu.barrier_arrive(consumed.at[lax.rem(step0 + nsteps - 1, stages)])
 
 
-def _producer_k_loop(nsteps, step0, stages, consumed, issue):
-  def body(kk, _):
-    s = step0 + kk
-    slot = lax.rem(s, stages)
-
-    @pl.when(s >= stages)
-    def _():
-      plgpu.barrier_wait(consumed.at[slot])
-    issue(kk, slot)
-  lax.fori_loop(0, nsteps, body, None)
-
-
-def _quiesce(total, stages, consumed):
-  """Observe the last releases so no barrier phase is left unobserved."""
-  def body(s, _):
-    plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
-  lax.fori_loop(jnp.maximum(total - stages, 0), total, body, None)
-
-
-def _warp_specialised(wg, my_count, stages, consumed, produce, consume):
-  """The persistent split shared by gmm and tgmm: warpgroup _NUM_COMPUTE_WGS
-  issues the TMA copies, the others compute. `produce(i, step)` and
-  `consume(i, step)` handle this program's work item i, whose k loop starts
-  at pipeline step `step`, and return its number of k steps."""
+def _persistent(wg, my_count, stages, consumed, produce, consume):
+  """The persistent loop shared by gmm and tgmm, on the warp-specialised
+  split of kernels/mosaic_pipeline.py: one ring runs through all of this
+  program's work items. `produce(i, step)` and `consume(i, step)` handle
+  work item i, whose k loop starts at pipeline step `step`, and return its
+  number of k steps."""
   loop = lambda fn: lax.fori_loop(
       0, my_count, lambda i, step: step + fn(i, step), jnp.int32(0))
 
-  @pl.when(wg == _NUM_COMPUTE_WGS)
-  def _producer():
-    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-    _quiesce(loop(produce), stages, consumed)
-
-  @pl.when(wg < _NUM_COMPUTE_WGS)
-  def _consumer():
-    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+  def consumer():
     loop(consume)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pipeline.warp_specialised(
+      wg, lambda: pipeline.drain(loop(produce), stages, [consumed]), consumer)
 
 
 # ---------------------------------------------------------------------------
@@ -316,7 +288,8 @@ def _warp_specialised(wg, my_count, stages, consumed, produce, consume):
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
-        config: TileConfig | None = None, interpret=False, epilogue_fn=None,
+        config: TileConfig | None = None, interpret: bool = False,
+        epilogue_fn=None,
         rhs2=None):
   """Grouped matmul on Hopper. rhs is [G, K, N] ([G, N, K] if transpose_rhs).
 
@@ -401,7 +374,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
           if fused:
             plgpu.copy_gmem_to_smem(b_src(rhs2_ref, grp, nt, kk),
                                     b2_smem.at[slot], produced.at[slot])
-        _producer_k_loop(nsteps, step, stages, consumed, issue)
+        pipeline.produce(nsteps, stages, [(consumed, issue)], first_step=step)
         return nsteps
 
       def consume(i, step):
@@ -443,7 +416,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
                   my_rows)
         return nsteps
 
-      _warp_specialised(wg, my_count, stages, consumed, produce, consume)
+      _persistent(wg, my_count, stages, consumed, produce, consume)
 
     pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
@@ -462,7 +435,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
 
 
 def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
-         config: TileConfig | None = None, interpret=False):
+         config: TileConfig | None = None, interpret: bool = False):
   """Transposed grouped matmul: [M, K] x [M, N] -> [G, K, N]."""
   m, k = lhs.shape
   m2, n = grad.shape
@@ -520,7 +493,7 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
                                   a_smem.at[slot], produced.at[slot])
           plgpu.copy_gmem_to_smem(grad_ref.at[rows, pl.ds(nt * tn, tn)],
                                   b_smem.at[slot], produced.at[slot])
-        _producer_k_loop(nsteps, step, stages, consumed, issue)
+        pipeline.produce(nsteps, stages, [(consumed, issue)], first_step=step)
         return nsteps
 
       def consume(i, step):
@@ -553,7 +526,7 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
                   0, jnp.int32(_HALF))
         return nsteps
 
-      _warp_specialised(wg, my_count, stages, consumed, produce, consume)
+      _persistent(wg, my_count, stages, consumed, produce, consume)
 
     pl.run_scoped(scoped, **scratch, collective_axes="wg")
 

@@ -10,12 +10,12 @@ iff
 (SPEC §3, §6). A chain (subtree_end[j] = end of j's segment) is plain causal
 attention over packed documents. The mask is never materialised as [T, T]:
 
-  tree_attention(q, k, v, subtree_end, segment_ids)   the Pallas kernels,
-      forward and backward as a custom VJP, GQA (query head h reads KV head
-      h // (N / K)): on Hopper the Mosaic GPU kernels
-      (kernels/tree_attention_mosaic.py: TMA ring, warp-specialised wgmma),
-      elsewhere the portable ones (kernels/tree_attention_pallas.py); see
-      TreeAttentionConfig.backend.
+  tree_attention(q, k, v, subtree_end, segment_ids)   the entry point, GQA
+      (query head h reads KV head h // (N / K)). Backends, named after their
+      lowering as in kernels/gmm.py (TreeAttentionConfig.backend): "mosaic"
+      (kernels/tree_attention_mosaic.py: TMA ring, warp-specialised wgmma;
+      Hopper) and "triton" (kernels/tree_attention_triton.py: portable
+      Pallas), forward and backward as a custom VJP; "xla", the reference.
   tree_attention_reference(...)   pure jnp, dense mask, float32 softmax.
 
 Per tile (q rows a..b, k cols c..d) `block_lists` classifies the tile as
@@ -42,25 +42,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import tree_attention_mosaic as _mosaic
-from kernels import tree_attention_pallas as _pallas
+from kernels import tree_attention_triton as _triton
 
-_NEG = _pallas._NEG  # pylint: disable=protected-access
+_NEG = _triton._NEG  # pylint: disable=protected-access
 # Segment id given to the padding that rounds T up to the block size.
 _PAD_SEGMENT = np.iinfo(np.int32).min
 
 
-BACKENDS = ("auto", "mosaic", "triton")
+BACKENDS = ("auto", "xla", "mosaic", "triton")
+# The fields a tile string (TreeAttentionConfig.from_string) sets, in order.
+_MOSAIC_TILES = ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv",
+                 "mosaic_stages", "mosaic_stages_dkv")
+_TRITON_TILES = ("block_q", "block_k", "block_q_dq", "block_k_dq",
+                 "block_q_dkv", "block_k_dkv", "num_warps", "num_stages",
+                 "num_warps_bwd", "num_stages_bwd")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeAttentionConfig:
   """Which kernels, and their tile sizes (powers of two).
 
+  Frozen and hashable: the jitted kernels take it as a static argument, so
+  it is part of their cache key.
+
   backend: "mosaic" (kernels/tree_attention_mosaic.py: wgmma + TMA, warp
-    specialised, Hopper only), "triton" (kernels/tree_attention_pallas.py:
-    portable Pallas), or "auto": mosaic on a Hopper GPU where it applies
-    (bf16/f16, head dim 64 or 128), else triton. Both run on CPU with
-    interpret=True (auto then picks triton, the faster to interpret).
+    specialised, Hopper only), "triton" (kernels/tree_attention_triton.py:
+    portable Pallas, lowered through Triton), "xla" (the dense-mask
+    reference, float32 softmax, differentiated by JAX; memory grows as T^2),
+    or "auto": mosaic on a Hopper GPU where it applies (bf16/f16, head dim
+    64 or 128), triton on other GPUs, xla on a host without a GPU. The two
+    Pallas backends run on CPU with interpret=True (auto then picks triton,
+    the faster to interpret).
   block_* / num_*: the triton kernels' tiles and launch parameters, the
     best of a small sweep on an H200 (GQA 48/8, d=128, bf16;
     benchmarks/notes/tree_attention.md); 3 stages or 8 backward warps lost.
@@ -68,6 +80,7 @@ class TreeAttentionConfig:
     64 or 128 each (a wgmma contraction is a multiple of 64; 256-wide tiles
     overflow shared memory), and shared-memory ring depths (forward and dq,
     dk/dv), at least 1; their other side is always 128 rows.
+  interpret: run the Pallas kernels in Pallas' interpreters (CPU tests).
   """
   backend: str = "auto"
   block_q: int = 128
@@ -91,6 +104,9 @@ class TreeAttentionConfig:
     if self.backend not in BACKENDS:
       raise ValueError(f"tree attention backend must be one of {BACKENDS}, "
                        f"got {self.backend!r}")
+    if not isinstance(self.interpret, bool):
+      raise ValueError(f"tree attention interpret must be True or False, got "
+                       f"{self.interpret!r}")
     for name in ("mosaic_block_k", "mosaic_block_k_dq", "mosaic_block_q_dkv"):
       if getattr(self, name) not in (64, 128):
         raise ValueError(f"{name} must be 64 or 128, got "
@@ -98,6 +114,38 @@ class TreeAttentionConfig:
     for name in ("mosaic_stages", "mosaic_stages_dkv"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+  @classmethod
+  def from_string(cls, text: str, *, interpret: bool = False):
+    """A config from its short form, as benchmarks and flags write it:
+
+      "mosaic:BLOCK_K.BLOCK_K_DQ.BLOCK_Q_DKV.STAGES[.STAGES_DKV]"
+          (STAGES_DKV defaults to STAGES), e.g. "mosaic:128.64.64.2";
+      "triton:BQ.BK.BQ_DQ.BK_DQ.BQ_DKV.BK_DKV.WARPS.STAGES.WARPS_BWD.
+          STAGES_BWD" (the prefix may be left out);
+      a bare backend name ("auto", "xla", "mosaic", "triton"): its default
+          tiles.
+    """
+    if text in BACKENDS:
+      return cls(backend=text, interpret=interpret)
+    backend, _, tiles = text.rpartition(":")
+    if backend not in ("mosaic", "triton", ""):
+      raise ValueError(f"tree attention tiles: unknown backend {backend!r} in "
+                       f"{text!r} (mosaic:... or triton:...)")
+    try:
+      v = [int(x) for x in tiles.split(".")]
+    except ValueError:
+      raise ValueError(f"tree attention tiles: {text!r} is not "
+                       f"BACKEND:N.N...") from None
+    if backend == "mosaic":
+      v += v[3:4] * (len(_MOSAIC_TILES) - len(v))  # stages_dkv = stages
+      names = _MOSAIC_TILES
+    else:
+      backend, names = "triton", _TRITON_TILES
+    if len(v) != len(names):
+      raise ValueError(f"tree attention tiles: {text!r} gives {len(v)} "
+                       f"numbers for {backend}'s {len(names)}: {names}")
+    return cls(backend=backend, interpret=interpret, **dict(zip(names, v)))
 
   @property
   def pad_multiple(self) -> int:
@@ -120,11 +168,6 @@ class TreeAttentionConfig:
                 "dq": (self.block_q_dq, self.block_k_dq),
                 "dkv": (self.block_q_dkv, self.block_k_dkv)}[kernel]
     return _lists(se, seg, bq, bk, transpose=kernel == "dkv")
-
-
-# Tiles used when no config is passed (the model's attention passes none);
-# experiments/bench_prefix_tree.py sweeps alternatives and may replace it.
-DEFAULT_CONFIG = TreeAttentionConfig()
 
 
 # ----------------------------------------------------------------- masks ---
@@ -232,7 +275,7 @@ def _lists(se, seg, bq, bk, transpose=False):
 _KERNELS = {
     name: tuple(jax.jit(f, static_argnames=("scale", "cfg"))
                 for f in (mod.forward, mod.backward_dq, mod.backward_dkv))
-    for name, mod in (("mosaic", _mosaic), ("triton", _pallas))}
+    for name, mod in (("mosaic", _mosaic), ("triton", _triton))}
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, se, seg, scale, cfg):
@@ -291,9 +334,15 @@ def _on_hopper() -> bool:
   return str(getattr(gpu, "compute_capability", "")).startswith("9.")
 
 
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
 def _resolve_backend(cfg, dtypes, head_dim, scale=1.0):
   ok = mosaic_supported(dtypes, head_dim, scale)
   if cfg.backend == "auto":
+    if not cfg.interpret and not _on_gpu():
+      return dataclasses.replace(cfg, backend="xla")
     mosaic = ok and not cfg.interpret and _on_hopper()
     return dataclasses.replace(cfg, backend="mosaic" if mosaic else "triton")
   if cfg.backend == "mosaic" and not ok:
@@ -307,8 +356,7 @@ def _resolve_backend(cfg, dtypes, head_dim, scale=1.0):
 
 def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
                    segment_ids_BxT=None, *, scale=None,
-                   config: TreeAttentionConfig | None = None,
-                   interpret: bool | None = None):
+                   config: TreeAttentionConfig | None = None):
   """Flash attention under the tree mask; see the module docstring.
 
   Args:
@@ -316,13 +364,12 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
     subtree_end_BxT: int, key j is visible to queries j .. subtree_end[j]-1.
     segment_ids_BxT: optional int >= 0; keys never cross segments.
     scale: logit scale, default head_dim ** -0.5.
-    config: tile sizes; `interpret=True` runs the kernels on CPU.
+    config: backend and tile sizes; None is `TreeAttentionConfig()` (auto).
+      `TreeAttentionConfig(interpret=True)` runs the kernels on CPU.
   Returns:
     [B, T, N, H] in q's dtype.
   """
-  cfg = config or DEFAULT_CONFIG
-  if interpret is not None:
-    cfg = dataclasses.replace(cfg, interpret=interpret)
+  cfg = TreeAttentionConfig() if config is None else config
   B, T, N, H = q_BxTxNxH.shape
   if N % k_BxTxKxH.shape[2]:
     raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads="
@@ -330,6 +377,10 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
   scale = float(H ** -0.5 if scale is None else scale)
   cfg = _resolve_backend(
       cfg, (q_BxTxNxH.dtype, k_BxTxKxH.dtype, v_BxTxKxH.dtype), H, scale)
+  if cfg.backend == "xla":
+    return tree_attention_reference(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                                    subtree_end_BxT, segment_ids_BxT,
+                                    scale=scale)
   se = subtree_end_BxT.astype(jnp.int32)
   seg = (jnp.zeros_like(se) if segment_ids_BxT is None
          else segment_ids_BxT.astype(jnp.int32))

@@ -1,9 +1,10 @@
 """Hopper tree attention in Pallas Mosaic GPU (wgmma + TMA, warp specialised).
 
-Same contract as kernels/tree_attention_pallas.py (the portable Triton
+Same contract as kernels/tree_attention_triton.py (the portable Triton
 kernels): forward -> (out, lse in base 2), backward_dq, backward_dkv, each
 fed by the tile lists of kernels/tree_attention.py. Only the lowering
-differs: every program has three warpgroups,
+differs: every program has the three warpgroups of
+kernels/mosaic_pipeline.py,
 
   warpgroup 2      the producer: walks the program's tile list and TMA-copies
                    the tiles it names into a ring of `stages` shared-memory
@@ -42,19 +43,17 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax._src.state import types as state_types
 
-_HALF = 64  # rows per compute warpgroup
-_WGS = 2  # compute warpgroups per program
-TILE = _WGS * _HALF  # rows per program: the list granularity on that side
+from kernels import mosaic_pipeline as pipeline
+
+_HALF = pipeline.ROWS_PER_CONSUMER  # rows per compute warpgroup
+_WGS = pipeline.CONSUMERS  # compute warpgroups per program
+TILE = pipeline.TILE_ROWS  # rows per program: the list granularity there
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite: exp2(-inf - _M_INIT) = 0 for fully masked rows
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
-# Registers per thread: the producer gives up what the consumers take
-# (40 + 2 x 232 <= 512 per thread slot of the three warpgroups).
-_PRODUCER_REGISTERS, _CONSUMER_REGISTERS = 40, 232
 
 
 def _smem(shape, dtype):
@@ -71,62 +70,30 @@ _Q_GRID = ("heads", "batch", "q_seq")
 
 
 def _call(body, out_type, scratch, grid, names, interpret):
-  return plgpu.kernel(
-      body,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=grid,
-      grid_names=names,
-      num_threads=_WGS + 1,
-      thread_name="wg",
+  return pipeline.kernel(
+      body, out_type, scratch_types=scratch, grid=grid, grid_names=names,
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )
+      interpret=interpret)
 
 
 def _producer(n_steps, stages, loads):
-  """Warpgroup 2: for each step, per (consumed barrier, issue) pair, wait
-  until the slot is free (from the second lap on) and issue its copies.
-  The final loop waits for the last `stages` releases: Pallas' GPU
-  interpreter requires every thread that waits on a barrier to have seen
-  each of its completed phases before the barrier is freed. On a GPU it only
-  keeps the producer alive until the consumers are done."""
-  plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-
-  def wait_free(step):
-    for consumed, _ in loads:
-      plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-  def body(step, _):
-    slot = lax.rem(step, stages)
-    for consumed, issue in loads:
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(consumed.at[slot])
-      issue(step, slot)
-  lax.fori_loop(0, n_steps, body, None)
-  lax.fori_loop(jnp.maximum(n_steps - stages, 0), n_steps,
-                lambda step, _: wait_free(step), None)
-
-
-def _value(x):
-  """A register operand as is; a shared-memory ref read out."""
-  if isinstance(x, state_types.TransformedRef) or isinstance(
-      jax.typeof(x), state_types.AbstractRef):
-    return x[...]
-  return x
+  """The producer's walk over `n_steps` steps and, after it, the wait for
+  the consumers' last releases (kernels/mosaic_pipeline.py)."""
+  pipeline.produce(n_steps, stages, loads)
+  pipeline.drain(n_steps, stages, [free for free, _ in loads])
 
 
 def _accumulate(products, accs, interpret, overlap=None):
   """`accs[i] += lhs @ rhs` for each (i, lhs, rhs) of `products`, issued as
   wgmmas into register accumulators; `overlap()` runs while they execute.
-  Pallas' GPU interpreter has no `pl.run_state` and takes shared-memory
-  operands only, so there the same sums are plain float32 dots."""
+  lhs is a register value, rhs a shared-memory ref (wgmma's register-A
+  form). Pallas' GPU interpreter has no `pl.run_state` and takes
+  shared-memory operands only, so there the same sums are plain float32
+  dots."""
   if interpret:
     out = list(accs)
     for i, a, b in products:
-      out[i] = out[i] + jnp.dot(_value(a), _value(b),
-                                preferred_element_type=jnp.float32)
+      out[i] = out[i] + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
     if overlap is not None:
       overlap()
     return tuple(out)
@@ -242,15 +209,12 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
       plgpu.barrier_arrive(turn)
       plgpu.barrier_wait(turn)
 
-    @pl.when(wg == _WGS)
-    def _():
+    def producer():
       _produce_kv((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar),
                   (k_free, v_free), list_ref, b, qt, lax.div(h, G), bk,
                   n_live, stages)
 
-    @pl.when(wg < _WGS)
-    def _():
-      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    def consumer():
       qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
       q0 = qt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], qo_smem,
@@ -312,6 +276,8 @@ def forward(q, k, v, se, seg, lists, counts, *, scale, cfg):
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, _rows(q0)])
       plgpu.wait_smem_to_gmem(0)
 
+    pipeline.warp_specialised(wg, producer, consumer)
+
   scratch = (
       _smem((_WGS, _HALF, H), dtype),
       _smem((stages, bk, H), dtype),
@@ -347,15 +313,12 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
              v_smem, q_bar, k_bar, v_bar, k_free, v_free):
     b, h, qt, wg, n_full, n_live = _q_program(nq, count_ref)
 
-    @pl.when(wg == _WGS)
-    def _():
+    def producer():
       _produce_kv((k_ref, v_ref), (k_smem, v_smem), (k_bar, v_bar),
                   (k_free, v_free), list_ref, b, qt, lax.div(h, G), bk,
                   n_live, stages)
 
-    @pl.when(wg < _WGS)
-    def _():
-      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    def consumer():
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
       q0 = qt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(q_ref.at[b, _rows(q0), h], q_smem,
@@ -392,6 +355,8 @@ def backward_dq(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, _rows(q0), h])
       plgpu.wait_smem_to_gmem(0)
+
+    pipeline.warp_specialised(wg, producer, consumer)
 
   scratch = (
       _smem((_WGS, _HALF, H), dtype),
@@ -436,8 +401,7 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
       t = lax.rem(step, jnp.maximum(n_live, 1))
       return kvh * G + g, _rows(list_ref[b, kt, t] * bq, bq)
 
-    @pl.when(wg == _WGS)
-    def _():
+    def producer():
       def load(step, s):  # q, do and their row vectors: one barrier
         h, rows = at(step)
         for src, dst in ((q_ref.at[b, rows, h], q_smem),
@@ -447,9 +411,7 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
           plgpu.copy_gmem_to_smem(src, dst.at[s], tile_bar.at[s])
       _producer(G * n_live, stages, [(tile_free, load)])
 
-    @pl.when(wg < _WGS)
-    def _():
-      plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    def consumer():
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       k0 = kt * TILE + wg * _HALF
       plgpu.copy_gmem_to_smem(k_ref.at[b, _rows(k0), kvh], k_smem,
@@ -499,6 +461,8 @@ def backward_dkv(q, k, v, do, lse, delta, se, seg, lists, counts, *, scale,
                               commit_group=False)
       plgpu.commit_smem_to_gmem_group()
       plgpu.wait_smem_to_gmem(0)
+
+    pipeline.warp_specialised(wg, producer, consumer)
 
   scratch = (
       _smem((_WGS, _HALF, H), dtype),

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from kernels import gmm as gmm_lib
+
 # Attention kinds for `attention_pattern`.
 FULL = "full"
 SLIDING = "sliding"
 ATTENTION_KINDS = (FULL, SLIDING)
 GATINGS = ("sigmoid", "softmax")
 FFN_TYPES = ("moe", "dense")
-GMM_BACKENDS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,7 +89,7 @@ class ModelConfig:
   # Sequence-wise load-balancing loss coefficient (0 = off; hub:
   # router_aux_loss_coef), on top of the bias (m2jax.train.losses).
   aux_loss_coef: float = M2_ROUTER_AUX_LOSS_COEF
-  gmm_backend: str = "auto"
+  gmm_backend: str = "auto"  # a kernels.gmm backend (gmm_lib.BACKENDS)
 
   # Multi-token prediction (hub: num_mtp_modules, mtp_transformer_layers).
   num_mtp_modules: int = 3
@@ -158,8 +159,10 @@ class ModelConfig:
     if self.routed_scaling_factor <= 0:
       _fail("routed_scaling_factor", "must be positive",
             self.routed_scaling_factor)
-    if self.gmm_backend not in GMM_BACKENDS:
-      _fail("gmm_backend", f"must be one of {GMM_BACKENDS}", self.gmm_backend)
+    try:
+      gmm_lib.check_backend(self.gmm_backend)
+    except ValueError as e:
+      raise ConfigError(f"ModelConfig.gmm_backend: {e}") from None
     if self.num_mtp_modules < 0:
       _fail("num_mtp_modules", "must be >= 0", self.num_mtp_modules)
     if self.mtp_transformer_layers < 1:

@@ -13,6 +13,13 @@ no memory used), so they can never drift from the code. Conventions:
 For MiniMax-M2 this gives 228,689,764,864 total and 9,801,359,872 active
 non-embedding. The paper's "229.9B" is 1.21B more than the config gives
 (about the size of the two vocabulary matrices); we report the config's.
+
+FLOPs are counted here, once, for MFU and for every benchmark: model FLOPs
+(the MFU convention of PaLM, Chowdhery et al. 2022, App. B): 2 per
+multiply-add, the backward pass twice the forward (gradients of the inputs
+and of the weights), recomputation (remat, the scores an attention backward
+recomputes) not counted. Hence one factor, FWD_BWD = 3, for weights and
+attention alike.
 """
 
 from __future__ import annotations
@@ -76,16 +83,55 @@ def count_params(config: ModelConfig) -> dict:
   }
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> int:
-  """Training FLOPs per token: 6 * active params + causal attention scores.
+# Forward + backward FLOPs in units of forward FLOPs (module docstring).
+FWD_BWD = 3
 
-  Attention: QK^T and PV are 2 * 2 * T * H * hd multiply-adds per layer for
-  a full row, halved by causality; x3 for forward + backward.
-  """
+
+def matmul_flops(rows: int, k: int, n: int, *, backward: bool = False) -> int:
+  """[rows, k] @ [k, n]: 2 * rows * k * n, x FWD_BWD with the backward (the
+  grouped matmuls count only their real rows)."""
+  return 2 * rows * k * n * (FWD_BWD if backward else 1)
+
+
+def attention_product_flops(entries, num_heads: int, head_dim: int,
+                            products: int = 2) -> float:
+  """`products` matmuls over `entries` visible (query, key) pairs per head,
+  2 * head_dim FLOPs each per pair; a forward is 2 (q k^T and p v)."""
+  return 2.0 * products * num_heads * head_dim * entries
+
+
+def attention_flops(entries, num_heads: int, head_dim: int, *,
+                    backward: bool = False) -> float:
+  """Model FLOPs of attention over `entries` visible (query, key) pairs:
+  4 * num_heads * head_dim per pair forward, x FWD_BWD with the backward.
+  Causal attention over T tokens has T (T + 1) / 2 entries; a prefix tree,
+  kernels.tree_attention.live_entries."""
+  return (attention_product_flops(entries, num_heads, head_dim)
+          * (FWD_BWD if backward else 1))
+
+
+def train_flops(config: ModelConfig, tokens: int,
+                attention_entries: int) -> float:
+  """Model FLOPs of one forward + backward over `tokens` tokens whose
+  attention sees `attention_entries` (query, key) pairs in every layer
+  (a sliding-window layer is counted as if full): 2 x FWD_BWD per active
+  parameter per token, plus attention."""
   counts = count_params(config)
-  attn = 0
+  attn = config.num_layers * attention_flops(
+      attention_entries, config.num_heads, config.head_dim, backward=True)
+  return 2 * FWD_BWD * counts["active_params"] * tokens + attn
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+  """Training FLOPs per token of full rows of `seq_len` causal tokens:
+  2 x FWD_BWD per active parameter plus attention, where a token sees on
+  average half its row (or half its window) in each layer."""
+  counts = count_params(config)
+  entries = 0
   for layer in range(config.num_layers):
     window = config.layer_window(layer)
     span = seq_len if window is None else min(window, seq_len)
-    attn += 2 * 2 * config.num_heads * config.head_dim * span / 2
-  return int(6 * counts["active_params"] + 3 * attn)
+    entries += span / 2
+  attn = attention_flops(entries, config.num_heads, config.head_dim,
+                         backward=True)
+  return int(2 * FWD_BWD * counts["active_params"] + attn)

@@ -1,9 +1,13 @@
 """Tests for kernels.gmm: ragged_dot semantics, gradients, backends (CPU).
 
-The Hopper kernels run here in Pallas' Mosaic GPU interpreter (which fills
-fresh buffers with NaN, so an unwritten output element fails the check); the
-portable Pallas variant runs with its output aliased to a NaN-filled buffer.
+The Hopper kernels ("mosaic") run here in Pallas' Mosaic GPU interpreter
+(which fills fresh buffers with NaN, so an unwritten output element fails the
+check); the portable ones ("triton") in the portable interpreter, with their
+output aliased to a NaN-filled buffer, and both lower for CUDA on this
+CPU-only host.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +16,7 @@ import pytest
 
 from kernels import gmm as gmm_lib
 from kernels import gmm_mosaic
-from kernels import gmm_portable
+from kernels import gmm_triton
 
 BF16 = jnp.bfloat16
 
@@ -81,7 +85,7 @@ def _check_values_and_grads(seed, m, k, n, g, kind, **kw):
     (1, 203, "all_in_one"),            # M % 8 != 0, one group holds every row
 ])
 def test_mosaic_kernels_in_interpreter(seed, m, kind):
-  _check_values_and_grads(seed, m, 128, 128, 5, kind, backend="pallas",
+  _check_values_and_grads(seed, m, 128, 128, 5, kind, backend="mosaic",
                           interpret=True)
 
 
@@ -90,9 +94,9 @@ def test_mosaic_kernels_in_interpreter(seed, m, kind):
     (3, 97, 256, 64, 3, "all_in_one"),
     (4, 512, 128, 128, 16, "uniform"),
 ])
-def test_portable_kernels(seed, m, k, n, g, kind):
-  _check_values_and_grads(seed, m, k, n, g, kind, backend="pallas",
-                          interpret="portable")
+def test_triton_kernels_in_interpreter(seed, m, k, n, g, kind):
+  _check_values_and_grads(seed, m, k, n, g, kind, backend="triton",
+                          interpret=True)
 
 
 def test_xla_reference_backend():
@@ -100,15 +104,15 @@ def test_xla_reference_backend():
                           backend="xla")
 
 
-def test_portable_writes_every_element():
+def test_triton_writes_every_element():
   lhs, rhs, sizes, _ = _inputs(6, 130, 128, 64, 4, "with_zeros_and_tail")
   poison = jnp.full((130, 64), jnp.nan, BF16)
-  out = gmm_portable.gmm(jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16),
-                         jnp.asarray(sizes), out_init=poison)
+  out = gmm_triton.gmm(jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16),
+                       jnp.asarray(sizes), out_init=poison, interpret=True)
   assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-2
   poison = jnp.full((4, 128, 64), jnp.nan, BF16)
-  dw = gmm_portable.tgmm(jnp.asarray(lhs, BF16), jnp.asarray(lhs[:, :64], BF16),
-                         jnp.asarray(sizes), out_init=poison)
+  dw = gmm_triton.tgmm(jnp.asarray(lhs, BF16), jnp.asarray(lhs[:, :64], BF16),
+                       jnp.asarray(sizes), out_init=poison, interpret=True)
   assert _rel(dw, _ref_tgmm(lhs, lhs[:, :64], sizes)) < 1e-2
 
 
@@ -140,14 +144,14 @@ def test_swiglu_fused_kernel_and_vjp():
   gs = jnp.asarray(sizes)
   h1, h3 = _ref_gmm(lhs, w1, sizes), _ref_gmm(lhs, w3, sizes)
   ref = h1 / (1 + np.exp(-h1)) * h3
-  fused = gmm_lib.gmm_swiglu(x, a, b, gs, backend="pallas", interpret=True)
+  fused = gmm_lib.gmm_swiglu(x, a, b, gs, backend="mosaic", interpret=True)
   assert _rel(fused, ref) < 1e-2
-  # Gradients through the custom VJP (portable kernels) against autodiff of
-  # the reference backend.
+  # Gradients through the custom VJP (triton kernels, interpreted) against
+  # autodiff of the reference backend.
   f = lambda be, it: (lambda *p: jnp.sum(gmm_lib.gmm_swiglu(
       *p, gs, backend=be, interpret=it).astype(jnp.float32) ** 2))
-  got = jax.grad(f("pallas", "portable"), argnums=(0, 1, 2))(x, a, b)
-  want = jax.grad(f("xla", None), argnums=(0, 1, 2))(x, a, b)
+  got = jax.grad(f("triton", True), argnums=(0, 1, 2))(x, a, b)
+  want = jax.grad(f("xla", False), argnums=(0, 1, 2))(x, a, b)
   for g1, g2 in zip(got, want):
     assert _rel(g1, np.asarray(g2.astype(jnp.float32), np.float64)) < 2e-2
 
@@ -155,7 +159,7 @@ def test_swiglu_fused_kernel_and_vjp():
 def test_errors_name_the_problem():
   x, w = jnp.zeros((8, 128), BF16), jnp.zeros((2, 128, 64), BF16)
   gs = jnp.array([4, 4], jnp.int32)
-  with pytest.raises(ValueError, match="auto.*xla.*pallas"):
+  with pytest.raises(ValueError, match="auto.*xla.*mosaic.*triton"):
     gmm_lib.gmm(x, w, gs, backend="cuda")
   with pytest.raises(ValueError, match="K"):
     gmm_lib.gmm(jnp.zeros((8, 64), BF16), w, gs)
@@ -163,7 +167,73 @@ def test_errors_name_the_problem():
     gmm_lib.gmm(x, w, jnp.array([8], jnp.int32))
   with pytest.raises(ValueError, match="K % 128"):
     gmm_lib.gmm(jnp.zeros((8, 64), BF16), jnp.zeros((2, 64, 64), BF16), gs,
-                backend="pallas", interpret=False)
+                backend="mosaic", interpret=False)
+
+
+def test_renamed_backend_and_interpret_type_are_explained():
+  from m2jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  x, w = jnp.zeros((8, 128), BF16), jnp.zeros((2, 128, 64), BF16)
+  gs = jnp.array([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="'pallas' is now called 'mosaic'"):
+    gmm_lib.gmm(x, w, gs, backend="pallas")
+  with pytest.raises(config_lib.ConfigError,
+                     match="gmm_backend.*'pallas' is now called 'mosaic'"):
+    config_lib.TINY.replace(gmm_backend="pallas")
+  with pytest.raises(ValueError, match="interpret must be True or False.*"
+                     "backend='triton', interpret=True"):
+    gmm_lib.gmm(x, w, gs, backend="mosaic", interpret="portable")
+  if jax.default_backend() != "gpu":
+    for backend in ("mosaic", "triton"):
+      with pytest.raises(ValueError, match="needs a GPU or interpret=True"):
+        gmm_lib.gmm(x, w, gs, backend=backend)
+
+
+def test_tiles_reach_the_mosaic_kernels():
+  with pytest.raises(ValueError, match="tile_n must be 64, 128, 192 or 256"):
+    gmm_mosaic.TileConfig(tile_n=96)
+  x, w = jnp.zeros((8, 128), BF16), jnp.zeros((2, 128, 192), BF16)
+  gs = jnp.array([4, 4], jnp.int32)
+  tiles = gmm_mosaic.TileConfig(tile_n=128)  # does not divide N = 192
+  for fn in (lambda: gmm_lib.gmm(x, w, gs, backend="mosaic", interpret=True,
+                                 tiles=tiles),
+             lambda: gmm_lib.tgmm(x, x[:, :64].repeat(3, 1), gs,
+                                  backend="mosaic", interpret=True,
+                                  tiles=tiles)):
+    with pytest.raises(ValueError, match="N=192"):
+      fn()
+
+
+def test_triton_kernels_lower_for_cuda(monkeypatch):
+  """backend="triton" compiles through Pallas' Triton lowering: the forward,
+  lhs-gradient and weight-gradient kernels lower for CUDA on this CPU-only
+  host at M2's expert shapes (an abstract H100 stands in for the GPU whose
+  compute capability the lowering reads)."""
+  monkeypatch.setattr(gmm_lib, "_on_gpu", lambda: True)
+  h100 = jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+          device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+          platform="cuda"))
+  m, k, n, g = 512, 3072, 1536, 8
+  spec = jax.ShapeDtypeStruct
+
+  def f(x, w, gs, cot):
+    out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, gs, backend="triton"),
+                       x, w)
+    return (out, *vjp(cot))
+  with jax.sharding.use_abstract_mesh(h100):
+    text = jax.jit(f).trace(
+        spec((m, k), BF16), spec((g, k, n), BF16), spec((g,), jnp.int32),
+        spec((m, n), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+  assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 3
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="the compiled kernels need a GPU (Hopper for "
+                    "mosaic)")
+@pytest.mark.parametrize("backend", ["mosaic", "triton"])
+def test_compiled_kernels_on_gpu(backend):
+  _check_values_and_grads(2, 300, 128, 192, 6, "with_zeros_and_tail",
+                          backend=backend)
 
 
 def test_auto_uses_reference_off_gpu():
@@ -189,7 +259,7 @@ def test_layers_share_one_lowered_kernel_per_shape(monkeypatch):
   def kernels_in_step(layers):
     mcfg = config_lib.TINY.replace(
         num_layers=layers, hidden_size=128, moe_intermediate_size=128,
-        compute_dtype="bfloat16", gmm_backend="pallas", num_mtp_modules=0,
+        compute_dtype="bfloat16", gmm_backend="mosaic", num_mtp_modules=0,
         attention_impl="xla")
     tcfg = TrainConfig(steps=10, mtp_depth=0)
     state = jax.eval_shape(

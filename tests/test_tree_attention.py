@@ -1,9 +1,9 @@
 """Tree attention: the Pallas kernels (interpret mode) against the reference.
 
-Both backends: the portable (Triton) kernels on small float32 tiles, and the
-Mosaic GPU kernels (bf16, their fixed 128-row programs) in Pallas' GPU
-interpreter, plus a CUDA cross-lowering of the Mosaic kernels at model
-shapes.
+Both Pallas backends: the portable (Triton) kernels on small float32 tiles,
+and the Mosaic GPU kernels (bf16, their fixed 128-row programs) in Pallas'
+GPU interpreter, plus a CUDA cross-lowering of the Mosaic kernels at model
+shapes; the "xla" backend is the reference itself.
 """
 
 import functools
@@ -265,14 +265,20 @@ def test_backend_choice(monkeypatch):
   bf16, f32 = jnp.bfloat16, jnp.float32
   resolve = lambda cfg, *a: ta._resolve_backend(cfg, *a).backend
   auto = ta.TreeAttentionConfig()
+  interpreted = ta.TreeAttentionConfig(interpret=True)
+  monkeypatch.setattr(ta, "_on_gpu", lambda: False)
+  assert resolve(auto, (bf16,) * 3, 128) == "xla"  # no GPU: the reference
+  assert resolve(interpreted, (bf16,) * 3, 128) == "triton"
+  monkeypatch.setattr(ta, "_on_gpu", lambda: True)
   monkeypatch.setattr(ta, "_on_hopper", lambda: True)
   assert resolve(auto, (bf16,) * 3, 128) == "mosaic"
   assert resolve(auto, (f32,) * 3, 128) == "triton"
   assert resolve(auto, (bf16,) * 3, 256) == "triton"
   assert resolve(auto, (bf16, bf16, f32), 128) == "triton"
   assert resolve(auto, (bf16,) * 3, 128, -1.0) == "triton"
-  interpreted = ta.TreeAttentionConfig(interpret=True)
   assert resolve(interpreted, (bf16,) * 3, 128) == "triton"
+  assert resolve(ta.TreeAttentionConfig(backend="xla"), (bf16,) * 3, 128) == (
+      "xla")
   monkeypatch.setattr(ta, "_on_hopper", lambda: False)
   assert resolve(auto, (bf16,) * 3, 128) == "triton"
   mosaic = ta.TreeAttentionConfig(backend="mosaic")
@@ -286,3 +292,49 @@ def test_backend_choice(monkeypatch):
     ta.TreeAttentionConfig(mosaic_block_k=32)
   with pytest.raises(ValueError, match="mosaic_stages_dkv must be >= 1"):
     ta.TreeAttentionConfig(mosaic_stages_dkv=0)
+  with pytest.raises(ValueError, match="interpret must be True or False"):
+    ta.TreeAttentionConfig(interpret=None)
+
+
+def test_xla_backend_is_the_reference():
+  """backend="xla" runs the dense reference (float32 softmax), gradients by
+  JAX, on the tests' random forests."""
+  rng = np.random.default_rng(2)
+  B, T = 2, 40
+  se, seg = zip(*(random_forest(rng, T) for _ in range(B)))
+  se, seg = jnp.asarray(np.stack(se)), jnp.asarray(np.stack(seg))
+  q, k, v = _qkv(2, B, T)
+  cfg = ta.TreeAttentionConfig(backend="xla")
+  loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+  xla = jax.jit(lambda q, k, v: ta.tree_attention(q, k, v, se, seg,
+                                                  config=cfg))
+  ref = jax.jit(lambda q, k, v: ta.tree_attention_reference(q, k, v, se, seg))
+  np.testing.assert_array_equal(xla(q, k, v), ref(q, k, v))
+  grad = lambda fn: jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))
+  for got, want in zip(grad(xla)(q, k, v), grad(ref)(q, k, v)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_config_from_string():
+  """The short tile strings of the benchmark's --tiles flag."""
+  mosaic = ta.TreeAttentionConfig.from_string("mosaic:64.128.64.3")
+  assert mosaic == ta.TreeAttentionConfig(
+      backend="mosaic", mosaic_block_k=64, mosaic_block_k_dq=128,
+      mosaic_block_q_dkv=64, mosaic_stages=3, mosaic_stages_dkv=3)
+  assert ta.TreeAttentionConfig.from_string(
+      "mosaic:128.64.64.2.1").mosaic_stages_dkv == 1
+  triton = ta.TreeAttentionConfig.from_string(
+      "triton:128.64.32.16.64.32.8.3.4.1", interpret=True)
+  assert (triton.backend, triton.block_q, triton.block_k_dq,
+          triton.num_stages_bwd, triton.interpret) == ("triton", 128, 16, 1,
+                                                        True)
+  assert ta.TreeAttentionConfig.from_string(
+      "16.16.16.16.16.16.4.2.4.2").backend == "triton"  # bare list
+  assert ta.TreeAttentionConfig.from_string("xla") == ta.TreeAttentionConfig(
+      backend="xla")
+  with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+    ta.TreeAttentionConfig.from_string("cuda:1.2")
+  with pytest.raises(ValueError, match="3 numbers for mosaic's 5"):
+    ta.TreeAttentionConfig.from_string("mosaic:128.64.64")
+  with pytest.raises(ValueError, match="mosaic_block_k must be 64 or 128"):
+    ta.TreeAttentionConfig.from_string("mosaic:32.64.64.2")

@@ -1,4 +1,5 @@
-"""Pallas kernels of tree attention (see kernels/tree_attention.py).
+"""Tree attention in portable Pallas, lowered through Triton (the "triton"
+backend of kernels/tree_attention.py).
 
 Portable `pl.pallas_call` kernels: BlockSpecs, ref slicing and `plgpu.dot`, so
 the same code lowers through Triton on a GPU (`plgpu.CompilerParams` picks

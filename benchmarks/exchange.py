@@ -1,10 +1,11 @@
-"""Timing one expert-parallel exchange on n GPUs (experiments/bench_*)."""
+"""One expert-parallel exchange on n GPUs, timed and checked
+(experiments/bench_all_to_all.py, experiments/bench_scaling.py)."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kernels.timing import time_fn
+from benchmarks.timing import time_fn
 
 
 def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
@@ -36,9 +37,10 @@ def time_exchange(n: int, rows: int, width: int, dense: bool = False) -> dict:
   x = jax.device_put(
       jnp.pad(digits, ((0, 0), (0, width - 3))).astype(jnp.bfloat16),
       NamedSharding(mesh, P("x")))
-  ms = 1e3 * time_fn(fn, x, reps=20, warmup=3)
+  seconds, y = time_fn(fn, x, reps=20, warmup=3)
+  ms = 1e3 * seconds
   # Correctness: GPU d's block s must be GPU s's block d.
-  y = jax.device_get(fn(x)).reshape(n, n, part, width)
+  y = jax.device_get(y).reshape(n, n, part, width)
   xs = jax.device_get(x).reshape(n, n, part, width)
   moved = rows * width * 2 * (n - 1) / n
   return dict(rows=rows, width=width, ms=round(ms, 3),

@@ -1,10 +1,9 @@
-"""Benchmark pieces for tree attention (used by experiments/bench_prefix_tree.py).
+"""Tree-attention benchmark cases (used by experiments/bench_prefix_tree.py).
 
-Tree layouts, the candidates wrapped to one calling convention and the
-error metric (the timer is kernels/timing.py). A candidate is
+Tree layouts, the candidates wrapped to one calling convention and our
+kernels one by one (the timer and the error metric are benchmarks/timing.py,
+FLOPs m2jax/params.py, counting live entries only). A candidate is
 `(q, k, v, do) -> out` (forward) or `-> (out, dq, dk, dv)` (forward+backward).
-FLOPs count live entries only: 4 * N * H per visible (query, key) pair
-forward, x3.5 forward+backward.
 """
 
 from __future__ import annotations
@@ -26,11 +25,6 @@ def grpo_subtree_end(prompt: int, responses: int, response_len: int):
     a = prompt + g * response_len
     se[a:a + response_len] = a + response_len
   return se[None]
-
-
-def attention_flops(live_entries: int, num_heads: int, head_dim: int,
-                    backward: bool) -> float:
-  return 4.0 * num_heads * head_dim * live_entries * (3.5 if backward else 1.0)
 
 
 def _fwdbwd(attn):
@@ -83,19 +77,14 @@ def inputs(T, num_heads, num_kv_heads, head_dim, dtype=jnp.bfloat16, seed=0):
   return q, k, v, do
 
 
-def rel_err(got, want) -> float:
-  got = jnp.asarray(got, jnp.float32)
-  want = jnp.asarray(want, jnp.float32)
-  return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-
-
 def kernel_passes(subtree_end, cfg, q, k, v, do):
   """The three kernels of one backend as separate jitted calls, for a time
   split: {"fwd" | "dq" | "dkv": (fn, args, matmuls)}, where `matmuls`
   is the number of products each live entry costs in that kernel as written
   (fwd 2; dq 3 and dk/dv 4, as they recompute the scores): its FLOPs with
-  recomputation are 2 * matmuls * N * H * live. (The masked entries of
-  partial tiles, also computed, are not counted.)
+  recomputation are m2jax.params.attention_product_flops(live, N, H,
+  matmuls). (The masked entries of partial tiles, also computed, are not
+  counted.)
   """
   B, T, N, H = q.shape
   cfg = ta._resolve_backend(cfg, (q.dtype, k.dtype, v.dtype), H)  # pylint: disable=protected-access

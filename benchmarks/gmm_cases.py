@@ -1,16 +1,15 @@
-"""Benchmark pieces for the grouped matmul (used by experiments/bench_gmm.py).
+"""Grouped-matmul benchmark cases (used by experiments/bench_gmm.py).
 
-Routing generators, the peer implementations wrapped to one calling
-convention, a device timer and the error metric. Every candidate is a
-function `(x[M,K], w[G,K,N], group_sizes, cot[M,N]) -> outputs`; forward
-candidates return out[M,N], forward+backward ones return (out, dx, dw).
+Routing generators, our kernels and the peer implementations wrapped to one
+calling convention, and float32 references of sampled outputs (the timer and
+the error metric are benchmarks/timing.py). Every candidate is a function
+`(x[M,K], w[G,K,N], group_sizes, cot[M,N]) -> outputs`; forward candidates
+return out[M,N], forward+backward ones return (out, dx, dw).
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +48,16 @@ def group_sizes(tokens, experts, top_k, routing, seed=0, zipf_s=1.0):
 
 
 def ours_fwd(config=None):
+  """kernels.gmm with the Mosaic tiles `config` (None: its own pick)."""
   def f(x, w, gs, cot):
     del cot
-    if config is None:
-      return gmm_lib.gmm(x, w, gs, backend="pallas")
-    return gmm_mosaic.gmm(x, w, gs, config=config)
+    return gmm_lib.gmm(x, w, gs, backend="mosaic", tiles=config)
   return f
 
 
 def ours_fwdbwd():
   def f(x, w, gs, cot):
-    out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, gs, backend="pallas"),
+    out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, gs, backend="mosaic"),
                        x, w)
     return (out, *vjp(cot))
   return f
@@ -69,15 +67,15 @@ def ours_swiglu_fwd():
   """Fused silu(x@w1)*(x@w3) with w1 = w, w3 = w (same flops as 2 gmms)."""
   def f(x, w, gs, cot):
     del cot
-    return gmm_lib.gmm_swiglu(x, w, w, gs, backend="pallas")
+    return gmm_lib.gmm_swiglu(x, w, w, gs, backend="mosaic")
   return f
 
 
 def unfused_swiglu_fwd():
   def f(x, w, gs, cot):
     del cot
-    a = gmm_lib.gmm(x, w, gs, backend="pallas")
-    b = gmm_lib.gmm(x, w, gs, backend="pallas")
+    a = gmm_lib.gmm(x, w, gs, backend="mosaic")
+    b = gmm_lib.gmm(x, w, gs, backend="mosaic")
     return jax.nn.silu(a.astype(jnp.float32)).astype(a.dtype) * b
   return f
 
@@ -180,45 +178,7 @@ def ours_dlhs(config=None):
 
 
 # ---------------------------------------------------------------------------
-# Timing and checking.
-
-
-def warm_up_clocks(seconds=2.0):
-  """Runs matmuls for a while so the first timings see steady clocks."""
-  x = jnp.ones((8192, 8192), jnp.bfloat16)
-  f = jax.jit(lambda a: a @ a)
-  t0 = time.perf_counter()
-  while time.perf_counter() - t0 < seconds:
-    jax.block_until_ready(f(x))
-
-
-def time_fn(f, args, *, min_time=0.1, trials=7):
-  """Median seconds per call: batches of back-to-back calls, synced per batch.
-
-  Returns (seconds, outputs of the last call).
-  """
-  out = jax.block_until_ready(f(*args))  # compile + warm up
-  t0 = time.perf_counter()
-  out = jax.block_until_ready(f(*args))
-  once = time.perf_counter() - t0
-  n = max(1, int(min_time / max(once, 1e-6)))
-  samples = []
-  for _ in range(trials):
-    t0 = time.perf_counter()
-    for _ in range(n):
-      out = f(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / n)
-  return statistics.median(samples), out
-
-
-def rel_err(x, ref):
-  x = jnp.asarray(x, jnp.float32)
-  ref = jnp.asarray(ref, jnp.float32)
-  if not bool(jnp.all(jnp.isfinite(x))):
-    return float("inf")
-  return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref),
-                                                        1e-30))
+# References.
 
 
 @functools.partial(jax.jit, static_argnums=(4,))

@@ -1,10 +1,17 @@
-"""Portable Pallas grouped matmuls with the Hopper kernel's tiling.
+"""Portable Pallas grouped matmuls (Triton lowering) with the Hopper tiling.
 
-Same schedule as `gmm_mosaic` (row tiles from each group's first row rounded
-down to 8, zero-fill tiles past sum(group_sizes), 64-row contraction blocks
-for the weight gradient) written with plain refs and jnp ops, so it runs
-under `pallas_call(interpret=True)` on any host. It is the stable CPU check
-of the tiling; speed is not its purpose.
+Same row schedule as `gmm_mosaic` (row tiles of 128 from each group's first
+row rounded down to 8, zero-fill tiles past sum(group_sizes), 64-row
+contraction blocks for the weight gradient), written with plain refs, jnp
+ops and a masked store. `interpret=True` runs it in Pallas' portable
+interpreter on any host (the tests' CPU check of the tiling); on a GPU it
+compiles through Pallas' Triton lowering (any CUDA GPU, not only Hopper).
+It is the simple variant of the same schedule: no TMA ring, no warp
+specialisation; tiles of at most 128 x 128.
+
+Neighbouring row tiles overlap (a group's first tile starts up to 7 rows
+early), so each tile stores only its own rows [lo, hi), under a mask: a
+read-modify-write of the whole tile would race with the neighbour's on a GPU.
 """
 
 from __future__ import annotations
@@ -13,28 +20,33 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from kernels import gmm_mosaic
 
-_TILE_M = 128
-_TILE_K = 64
+_TILE_M = 128  # rows per tile (the Mosaic kernel's tile_m)
+_TILE_K = 64  # contraction per step (one 128-byte bf16 row)
 
 
-def _tile_n(n):
-  return next(t for t in (256, 128, 64, 32, 16, 8, 4, 2, 1) if n % t == 0)
+def _tile(n, cap=128):
+  """The largest power of two <= cap dividing n (Triton tiles are powers of
+  two)."""
+  return next(t for t in (128, 64, 32, 16, 8, 4, 2, 1)
+              if t <= cap and n % t == 0)
 
 
 def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
-        out_init=None):
+        out_init=None, interpret: bool = False):
   """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T if transpose_rhs).
 
+  lhs [M, K]; rhs [G, K, N] ([G, N, K] if transpose_rhs) -> [M, N].
   out_init (optional, [M, N]) is aliased to the output, so a poisoned buffer
   shows any element the kernel fails to write.
   """
   m, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  tn = _tile_n(n)
+  tn, tk = _tile(n), _tile(k, _TILE_K)
   group, row, lo, hi, num_tiles = gmm_mosaic.row_tile_schedule(
       group_sizes, m, _TILE_M)
   lhs_p = jnp.pad(lhs, ((0, _TILE_M), (0, 0)))  # tiles may run past M
@@ -47,34 +59,42 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
     t, j = pl.program_id(0), pl.program_id(1)
     grp, r0 = group_ref[t], row_ref[t]
     cols = pl.ds(j * tn, tn)
-    x = lhs_ref[pl.ds(r0, _TILE_M), :]
-    w = rhs_ref[jnp.maximum(grp, 0)]
-    w = w[cols, :].T if transpose_rhs else w[:, cols]
-    acc = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    acc = jnp.where(grp >= 0, acc, 0.0)
+
+    def step(kk, acc):
+      ks = pl.ds(kk * tk, tk)
+      x = lhs_ref[pl.ds(r0, _TILE_M), ks]
+      w = rhs_ref[grp, cols, ks].T if transpose_rhs else rhs_ref[grp, ks, cols]
+      return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    # Zero-fill tiles (group -1) run no steps and store zeros.
+    nsteps = jnp.where(grp >= 0, k // tk, 0)
+    acc = lax.fori_loop(0, nsteps, step, jnp.zeros((_TILE_M, tn), jnp.float32))
     r = lax.broadcasted_iota(jnp.int32, (_TILE_M, tn), 0)
     keep = (r >= lo_ref[t]) & (r < hi_ref[t]) & (t < nt_ref[0])
-    old = out_ref[pl.ds(r0, _TILE_M), cols]
-    out_ref[pl.ds(r0, _TILE_M), cols] = jnp.where(keep, acc.astype(old.dtype),
-                                                  old)
+    pltriton.store(out_ref.at[pl.ds(r0, _TILE_M), cols],
+                   acc.astype(out_ref.dtype), mask=keep)
 
   out = pl.pallas_call(
       body,
       grid=(group.shape[0], n // tn),
       out_shape=jax.ShapeDtypeStruct(out_p.shape, out_dtype),
       input_output_aliases={7: 0},
-      interpret=True,
+      interpret=interpret,
   )(group, row, lo, hi, num_tiles, lhs_p, rhs, out_p)
   return out[:m]
 
 
-def tgmm(lhs, grad, group_sizes, *, out_dtype=None, out_init=None):
-  """out[g] = lhs[rows of g]^T @ grad[rows of g], in 64-row blocks."""
+def tgmm(lhs, grad, group_sizes, *, out_dtype=None, out_init=None,
+         interpret: bool = False):
+  """out[g] = lhs[rows of g]^T @ grad[rows of g], in 64-row blocks.
+
+  lhs [M, K], grad [M, N] -> [G, K, N]; empty groups give zeros.
+  """
   m, k = lhs.shape
   n = grad.shape[1]
   g = group_sizes.shape[0]
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-  tk_out, tn = _tile_n(k), _tile_n(n)
+  tk_out, tn = _tile(k), _tile(n)
   starts, ends = gmm_mosaic.group_bounds(group_sizes, m)
   pad = ((0, _TILE_K), (0, 0))
   lhs_p, grad_p = jnp.pad(lhs, pad), jnp.pad(grad, pad)
@@ -105,5 +125,5 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None, out_init=None):
       grid=(g, k // tk_out, n // tn),
       out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       input_output_aliases={4: 0},
-      interpret=True,
+      interpret=interpret,
   )(starts, ends, lhs_p, grad_p, out_init.astype(out_dtype))

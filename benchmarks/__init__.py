@@ -1,0 +1,12 @@
+"""The benchmark library: what experiments/bench_*.py time and how.
+
+Outside both libraries (experiments -> benchmarks -> m2jax -> kernels): the
+kernels and the model never import it.
+
+  timing.py               the one device timer and the one error metric
+  gmm_cases.py            grouped-matmul problems, candidates and references
+  tree_attention_cases.py tree-attention layouts, candidates, kernel passes
+  exchange.py             one expert-parallel exchange on n GPUs, timed
+FLOPs are counted in m2jax/params.py. Notes and results of past runs live in
+notes/ and results/.
+"""

@@ -1,0 +1,59 @@
+"""The device timer and the error metric every benchmark uses."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def time_fn(f, *args, reps: int = 10, warmup: int = 2, min_time: float = 0.0):
+  """Median seconds per call of `f(*args)`, and the outputs of its last call.
+
+  `warmup` untimed calls first (compilation among them), then `reps`
+  samples, each a batch of back-to-back calls synchronised once at its end.
+  With `min_time` > 0, one more untimed call sizes the batches to last about
+  `min_time` seconds, which hides the dispatch gap between calls of a short
+  kernel; with 0 every sample is one call.
+  """
+  out = None
+  for _ in range(warmup):
+    out = None  # free the last outputs before the next call
+    out = jax.block_until_ready(f(*args))
+  batch = 1
+  if min_time > 0:
+    out = None
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    batch = max(1, int(min_time / max(time.perf_counter() - t0, 1e-6)))
+  samples = []
+  for _ in range(reps):
+    out = None
+    t0 = time.perf_counter()
+    for _ in range(batch):
+      out = f(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / batch)
+  return statistics.median(samples), out
+
+
+def rel_err(got, want) -> float:
+  """Relative L2 error ||got - want|| / ||want||, in float32; inf when `got`
+  holds a non-finite value (an unwritten or overflowed output)."""
+  got = jnp.asarray(got, jnp.float32)
+  want = jnp.asarray(want, jnp.float32)
+  if not bool(jnp.all(jnp.isfinite(got))):
+    return float("inf")
+  return float(jnp.linalg.norm(got - want)
+               / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def warm_up_clocks(seconds: float = 2.0):
+  """Runs matmuls for a while so the first timings see steady clocks."""
+  x = jnp.ones((8192, 8192), jnp.bfloat16)
+  f = jax.jit(lambda a: a @ a)
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < seconds:
+    jax.block_until_ready(f(x))
