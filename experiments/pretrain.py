@@ -6,6 +6,9 @@
       --seq_len=2048 --batch_size=16 --override=gmm_backend=mosaic
   python -m experiments.pretrain --preset=m2_small --mesh=expert=4 \
       --seq_len=2048 --batch_size=32          # 4 GPUs, expert parallel
+  python -m experiments.pretrain --preset=m2_small --seq_len=8192 \
+      --batch_size=4 --context_schedule=0:8192,0.8:32768 \
+      --context_documents=packages  # 8K on files, then 32K on whole packages
 
 All logic is in m2jax.train.loop; this file only turns flags into configs.
 """
@@ -31,6 +34,12 @@ flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint.")
 flags.DEFINE_string("data", "stdlib",
                     "'stdlib' (embedded corpus), a directory, file or glob of "
                     ".txt / .jsonl documents.")
+flags.DEFINE_enum("documents", "files", ["files", "packages"],
+                  "A document is a file, or a package: the files of one "
+                  "top-level directory concatenated (long context).")
+flags.DEFINE_enum("context_documents", None, ["files", "packages"],
+                  "Documents of the context stages after the first "
+                  "(default: --documents).")
 flags.DEFINE_enum("tokenizer", "byte", ["byte", "bpe"], "Tokenizer.")
 flags.DEFINE_integer("bpe_vocab_size", 4096, "BPE vocabulary size.")
 flags.DEFINE_integer("seq_len", 256, "Tokens per packed row.")
@@ -70,7 +79,8 @@ def main(argv):
   model_config = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override)
   data_config = DataConfig(
-      source=FLAGS.data, tokenizer=FLAGS.tokenizer,
+      source=FLAGS.data, documents=FLAGS.documents,
+      context_documents=FLAGS.context_documents, tokenizer=FLAGS.tokenizer,
       bpe_vocab_size=FLAGS.bpe_vocab_size, seq_len=FLAGS.seq_len,
       batch_size=FLAGS.batch_size, seed=FLAGS.seed)
   train_config = TrainConfig(

@@ -1,15 +1,18 @@
 """Pretraining data: corpus, tokenizers, packing, grain pipelines.
 
   config.py     DataConfig
-  corpus.py     the embedded stdlib corpus, user text/JSONL, the hash split
+  corpus.py     the embedded stdlib corpus, user text/JSONL, the hash split,
+                files or packages (the long-context source) as documents
   tokenizer.py  the Tokenizer protocol and the byte tokenizer (default)
   bpe.py        optional byte-level BPE trained with HF `tokenizers`
   packing.py    the batch format, next_token_targets, bytes per target
-  pipeline.py   grain pipelines: make_tokenizer, make_dataset, make_iterator
+  pipeline.py   grain pipelines: make_tokenizer, make_dataset, make_iterator,
+                next_stage_start (context stages continue one stream)
 """
 
 from m2jax.data.config import DataConfig
-from m2jax.data.corpus import Documents, hash_fraction, split_documents
+from m2jax.data.corpus import (Documents, Packages, hash_fraction,
+                               package_key, split_documents)
 from m2jax.data.packing import (next_token_targets, single_document_batch,
                                  target_bytes)
 from m2jax.data.pipeline import (
@@ -17,6 +20,7 @@ from m2jax.data.pipeline import (
     make_dataset,
     make_iterator,
     make_tokenizer,
+    next_stage_start,
 )
 from m2jax.data.tokenizer import (
     ByteTokenizer,
@@ -29,6 +33,7 @@ __all__ = [
     "ByteTokenizer",
     "DataConfig",
     "Documents",
+    "Packages",
     "Tokenizer",
     "bytes_per_token",
     "encode_document",
@@ -37,7 +42,9 @@ __all__ = [
     "make_dataset",
     "make_iterator",
     "make_tokenizer",
+    "next_stage_start",
     "next_token_targets",
+    "package_key",
     "single_document_batch",
     "split_documents",
     "target_bytes",

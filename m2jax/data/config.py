@@ -1,8 +1,9 @@
 """DataConfig: where the documents come from, how they become batches.
 
 One frozen dataclass for the whole data concern (corpus, split, tokenizer,
-packing, batching, shuffling, reader threads). It validates itself at
-construction and names the field that is wrong.
+packing, batching, shuffling, reader threads, the documents of the context
+stages). It validates itself at construction and names the field that is
+wrong.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from m2jax.config import ConfigError
 STDLIB = "stdlib"
 FORMATS = ("auto", "text", "jsonl")
 TOKENIZERS = ("byte", "bpe")
+FILES = "files"
+PACKAGES = "packages"
+DOCUMENTS = (FILES, PACKAGES)
+# Fields that only pack and batch the document stream: configs that differ in
+# nothing else read the same stream (see `DataConfig.same_stream`).
+_PACKING_FIELDS = ("seq_len", "batch_size", "shuffle_window", "num_threads",
+                   "prefetch_batches")
 
 
 def _fail(field: str, rule: str, value) -> None:
@@ -30,16 +38,34 @@ class DataConfig:
     format: how user files are read: "text" (one document per file), "jsonl"
       (one document per line, from `text_field`), or "auto" (by extension:
       .jsonl/.ndjson are JSONL, anything else is text). Ignored for stdlib.
-    text_field: the JSONL key holding the document text.
+    documents: what one document is. "files": one per file (or JSONL line).
+      "packages": one per top-level entry of the source, the long-context
+      source (repository-level concatenation, as code models use for long
+      data): a directory's files (recursively, sorted by path, each preceded
+      by the line "# <path relative to the source>") form ONE document, e.g.
+      the stdlib's email/ or asyncio/; a top-level file is a package of its
+      own. JSONL cannot be read as packages. On CPython 3.12 the stdlib has
+      197 packages; with the test suites, test/ alone is 19.6 MB.
+    context_documents: what the context-extension stages (every stage of
+      `TrainConfig.context_schedule` after the first) read; None: the same as
+      `documents`. "packages" with documents="files" is M2's recipe (SPEC
+      §2): short first stage on files, long stages on code concatenation.
+      A stage that reads the same documents as the stage before it continues
+      that stage's document stream; a stage that switches to other documents
+      starts their stream at its beginning, so its packages hold files the
+      file stage may have read one by one.
     validation_source: optional separate validation data (same forms as
       `source`). When set, `source` is used whole for training; otherwise one
       source is split by a hash of each document's key.
     validation_fraction: the share of documents the hash split sends to
-      validation, in [0, 0.5].
+      validation, in [0, 0.5]. When `documents` or `context_documents` is
+      "packages", every view is split by package (a file goes where its
+      package goes), so no stage trains on text another stage validates on.
     stdlib_tests: include the stdlib's own test suites (test/, tests/,
       idle_test/: 35 MB with them, 13 MB without, on CPython 3.12).
-    max_documents: keep only the first n documents of each split (by sorted
-      key); for smoke tests and quick runs. None keeps all.
+    max_documents: keep only the first n documents (files or packages) of
+      each split (by sorted key); for smoke tests and quick runs. None keeps
+      all.
     tokenizer: "byte" (256 byte ids + PAD/BOS/EOS) or "bpe" (byte-level BPE
       trained locally with HF `tokenizers`).
     bpe_vocab_size: BPE vocabulary size including the 3 special tokens.
@@ -58,6 +84,8 @@ class DataConfig:
   source: str = STDLIB
   format: str = "auto"
   text_field: str = "text"
+  documents: str = FILES
+  context_documents: str | None = None
   validation_source: str | None = None
   validation_fraction: float = 0.02
   stdlib_tests: bool = True
@@ -79,6 +107,15 @@ class DataConfig:
       _fail("format", f"must be one of {FORMATS}", self.format)
     if not isinstance(self.text_field, str) or not self.text_field:
       _fail("text_field", "must be a non-empty string", self.text_field)
+    if self.documents not in DOCUMENTS:
+      _fail("documents", f"must be one of {DOCUMENTS}", self.documents)
+    if self.context_documents not in (None, *DOCUMENTS):
+      _fail("context_documents", f"must be None or one of {DOCUMENTS}",
+            self.context_documents)
+    for name in ("documents", "context_documents"):
+      if getattr(self, name) == PACKAGES and self.format == "jsonl":
+        _fail(name, "'packages' concatenates whole files, so format='jsonl' "
+              "cannot be read as packages", PACKAGES)
     if self.validation_source is not None and (
         not isinstance(self.validation_source, str)
         or not self.validation_source):
@@ -111,6 +148,35 @@ class DataConfig:
     if not _is_int(self.prefetch_batches, 0):
       _fail("prefetch_batches", "must be an integer >= 0",
             self.prefetch_batches)
+
+
+  @property
+  def reads_packages(self) -> bool:
+    """Whether any stage reads packages (then every view splits by package)."""
+    return PACKAGES in (self.documents, self.context_documents)
+
+  def context_stage(self, index: int, seq_len: int) -> DataConfig:
+    """The data of context stage `index` (0 is the first), rows of `seq_len`.
+
+    Tokens per batch stay this config's (batch_size x seq_len, at least one
+    row a batch); stages after the first read `context_documents` if set.
+    """
+    tokens = self.batch_size * self.seq_len
+    documents = (self.documents if index == 0 or self.context_documents is None
+                 else self.context_documents)
+    return dataclasses.replace(self, seq_len=seq_len, documents=documents,
+                               batch_size=max(1, tokens // seq_len))
+
+  def same_stream(self, other: DataConfig) -> bool:
+    """Whether `other` reads the same document stream, packed differently."""
+    return _stream_fields(self) == _stream_fields(other)
+
+
+def _stream_fields(config: DataConfig) -> dict:
+  fields = dataclasses.asdict(config)
+  for name in _PACKING_FIELDS:
+    del fields[name]
+  return fields
 
 
 def _is_int(value, minimum: int) -> bool:

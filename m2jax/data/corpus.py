@@ -5,17 +5,30 @@ interpreter's standard library (`sysconfig.get_paths()['stdlib']`), without
 site-packages, __pycache__ and the build-specific _sysconfigdata*.py, with the
 stdlib's own test suites unless `DataConfig.stdlib_tests` is off.
 
-Train/validation split: a document goes to validation when
-`hash_fraction(key) < validation_fraction`, where the key is the file's path
-relative to the corpus root in POSIX form ("email/parser.py") for whole-file
-documents, and the stripped line itself for JSONL documents (so duplicates land
-in the same split). The hash is SHA-256, so the split is the same on every
-machine and a file keeps its side across Python patch versions as long as its
-path does.
+Two views of the same files (`DataConfig.documents`):
+  files     one document per file (or JSONL line): `Documents`.
+  packages  the long-context source: one document per package, i.e. per
+            top-level entry of the corpus root (the stdlib's email/, asyncio/,
+            json/, ...; a top-level file such as os.py is a package of its
+            own). Its files, recursively and sorted by key, are concatenated,
+            each preceded by the line "# <key>" (the repository-level
+            concatenation that code models train long context on), so a 32K
+            row holds one real 32K-token document: `Packages`.
 
-A `Documents` is a random-access sequence of str (grain's data-source
-protocol: `len` and `__getitem__`); files are read lazily, so the index of a
-large corpus costs a few ints per document.
+Train/validation split: a document goes to validation when
+`hash_fraction(key) < validation_fraction`. The key is the file's path
+relative to the corpus root in POSIX form ("email/parser.py") for whole-file
+documents, the package's name ("email", "os.py") for packages, and the
+stripped line itself for JSONL documents (so duplicates land in the same
+split). When a config reads packages in any stage
+(`DataConfig.reads_packages`), files are split by their package's key too, so
+both views agree on what is validation. The hash is SHA-256, so the split is
+the same on every machine and a file keeps its side across Python patch
+versions as long as its path does.
+
+`Documents` and `Packages` are random-access sequences of str (grain's
+data-source protocol: `len` and `__getitem__`); files are read lazily, so the
+index of a large corpus costs a few ints per document.
 """
 
 from __future__ import annotations
@@ -30,13 +43,17 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from m2jax.data.config import STDLIB, DataConfig
+from m2jax.config import ConfigError
+from m2jax.data.config import PACKAGES, STDLIB, DataConfig
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Directory names never descended into in the stdlib.
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _GLOB_CHARS = frozenset("*?[")
+# Precedes each file of a package document; {key} is its path relative to
+# the corpus root ("email/mime/text.py"). A Python comment, as the stdlib is.
+PACKAGE_FILE_HEADER = "# {key}\n"
 
 
 def hash_fraction(key: str | bytes) -> float:
@@ -71,8 +88,7 @@ class Documents(Sequence[str]):
     path = self.files[self.file_index[index]]
     offset = int(self.offset[index])
     if offset < 0:
-      with open(path, "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
+      return _read_text(path)
     with open(path, "rb") as f:
       f.seek(offset)
       line = f.read(int(self.length[index]))
@@ -96,6 +112,52 @@ class Documents(Sequence[str]):
       return self
     return Documents(self.files, self.file_index[:n], self.offset[:n],
                      self.length[:n], self.text_field)
+
+
+class Packages(Sequence[str]):
+  """Lazily concatenated packages (see the module docstring).
+
+  Attributes:
+    names: [P] package keys, sorted ("asyncio", "os.py").
+    keys: [F] the keys of the files, package by package, sorted in each.
+    files: [F] the files' paths, in the same order.
+    starts: [P + 1] int64, package p holds files starts[p]:starts[p + 1].
+  """
+
+  def __init__(self, names: Sequence[str], keys: Sequence[str],
+               files: Sequence[str], starts):
+    self.names = list(names)
+    self.keys = list(keys)
+    self.files = list(files)
+    self.starts = np.asarray(starts, np.int64)
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def __getitem__(self, index: int) -> str:
+    parts = []
+    for f in range(self.starts[index], self.starts[index + 1]):
+      text = _read_text(self.files[f])
+      parts += [PACKAGE_FILE_HEADER.format(key=self.keys[f]), text]
+      if not text.endswith("\n"):
+        parts.append("\n")
+    return "".join(parts)
+
+  def __iter__(self) -> Iterator[str]:
+    return (self[i] for i in range(len(self)))
+
+  def take(self, n: int | None) -> Packages:
+    """The first n packages (all when n is None)."""
+    if n is None or n >= len(self):
+      return self
+    end = int(self.starts[n])
+    return Packages(self.names[:n], self.keys[:end], self.files[:end],
+                    self.starts[:n + 1])
+
+
+def package_key(key: str) -> str:
+  """The package of a file key: "email/mime/text.py" -> "email", "os.py"."""
+  return key.split("/", 1)[0]
 
 
 def stdlib_root() -> pathlib.Path:
@@ -149,30 +211,41 @@ def user_files(source: str) -> list[tuple[str, str]]:
   return found
 
 
-def split_documents(config: DataConfig) -> dict[str, Documents]:
-  """The "train" and "validation" documents that `config` describes."""
+def split_documents(config: DataConfig) -> dict[str, Documents | Packages]:
+  """The "train" and "validation" documents that `config` describes, in the
+  view `config.documents` names (files or packages)."""
+  index = _index_packages if config.documents == PACKAGES else _index
   if config.validation_source is not None:
-    train = _index(config.source, config, None)
-    validation = _index(config.validation_source, config, None)
+    train = index(config.source, config, None)
+    validation = index(config.validation_source, config, None)
   else:
-    train = _index(config.source, config, False)
-    validation = _index(config.source, config, True)
+    train = index(config.source, config, False)
+    validation = index(config.source, config, True)
   return {"train": train.take(config.max_documents),
           "validation": validation.take(config.max_documents)}
 
 
+def _keep(config: DataConfig, validation: bool | None):
+  """key -> whether the document of `key` is on the `validation` side."""
+  fraction = config.validation_fraction
+  if validation is None:
+    return lambda key: True
+  return lambda key: (hash_fraction(key) < fraction) == validation
+
+
+def _files(source: str, config: DataConfig) -> list[tuple[str, str]]:
+  if source == STDLIB:
+    return stdlib_files(config.stdlib_tests)
+  return user_files(source)
+
+
 def _index(source: str, config: DataConfig, validation: bool | None
            ) -> Documents:
-  """Indexes `source`, keeping one side of the hash split (None: all)."""
-  if source == STDLIB:
-    files = stdlib_files(config.stdlib_tests)
-  else:
-    files = user_files(source)
-  fraction = config.validation_fraction
-  keep = (lambda key: True) if validation is None else (
-      lambda key: (hash_fraction(key) < fraction) == validation)
+  """Indexes `source` as files, keeping one side of the split (None: all)."""
+  keep = _keep(config, validation)
+  split_key = package_key if config.reads_packages else (lambda key: key)
   paths, file_index, offset, length = [], [], [], []
-  for key, path in files:
+  for key, path in _files(source, config):
     if source != STDLIB and _is_jsonl(path, config.format):
       for line_offset, line in _jsonl_lines(path):
         if keep(line):
@@ -181,12 +254,31 @@ def _index(source: str, config: DataConfig, validation: bool | None
           file_index.append(len(paths) - 1)
           offset.append(line_offset)
           length.append(len(line))
-    elif keep(key):
+    elif keep(split_key(key)):
       paths.append(path)
       file_index.append(len(paths) - 1)
       offset.append(-1)
       length.append(0)
   return Documents(paths, file_index, offset, length, config.text_field)
+
+
+def _index_packages(source: str, config: DataConfig,
+                    validation: bool | None) -> Packages:
+  """Indexes `source` as packages, keeping one side of the split."""
+  keep = _keep(config, validation)
+  members: dict[str, list[tuple[str, str]]] = {}
+  for key, path in _files(source, config):  # sorted by key
+    if source != STDLIB and _is_jsonl(path, config.format):
+      raise ConfigError(
+          f"DataConfig.documents: 'packages' concatenates whole files, but "
+          f"{path} is JSONL (format={config.format!r} reads it by lines)")
+    if keep(package_key(key)):
+      members.setdefault(package_key(key), []).append((key, path))
+  names = sorted(members)
+  keys = [key for name in names for key, _ in members[name]]
+  files = [path for name in names for _, path in members[name]]
+  starts = np.cumsum([0] + [len(members[name]) for name in names])
+  return Packages(names, keys, files, starts)
 
 
 def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -198,6 +290,11 @@ def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
       if stripped:
         yield offset + (len(line) - len(line.lstrip())), stripped
       offset += len(line)
+
+
+def _read_text(path: str) -> str:
+  with open(path, "rb") as f:
+    return f.read().decode("utf-8", errors="replace")
 
 
 def _is_jsonl(path: str, fmt: str) -> bool:

@@ -1,23 +1,38 @@
 """The grain pipelines: documents -> tokens -> packed rows -> batches.
 
-  train       documents shuffled with `seed` (a new permutation every epoch,
-              grain's per-epoch reseeding), repeated forever, tokenized as
-              BOS + ids + EOS, packed into rows, rows shuffled in a window of
-              `shuffle_window`, batched (full batches only).
+  train       the document stream: documents shuffled with `seed` (a new
+              permutation every epoch, grain's per-epoch reseeding), repeated
+              forever; read from stream position `start_document` on,
+              tokenized as BOS + ids + EOS, packed into rows, rows shuffled in
+              a window of `shuffle_window`, batched (full batches only).
   validation  documents in key order, one pass, packed, batched; the last
               batch is padded to `batch_size` rows of padding.
 
-Both are deterministic given the config. Iterators are grain DatasetIterators
-whose `get_state()` is a small JSON-serialisable dict; `set_state` (or
+Both are deterministic given the config and `start_document`. Iterators are
+grain DatasetIterators whose `get_state()` is a small JSON-serialisable dict
+{"start_document", "next_document", "pipeline"}; `set_state` (or
 `make_iterator(..., state=...)`) resumes so that the following batches are
 bitwise those of an uninterrupted run. grain's orbax hooks (`save`/`load`)
 work on them too.
+
+Context stages (m2jax/train/loop.py) re-pack one stream at a new seq_len: a
+stage starts at `next_stage_start(...)`, one past the last document whose
+tokens were in any batch of the stage before (its iterator's
+`next_document`). So no document is read by two stages; the rest of a
+document split across the stage switch, and the documents whose rows were
+still waiting in the row-shuffle window (at most `shuffle_window` rows), are
+skipped. Every row carries the stream positions of its documents for this (a
+grain meta feature packed with the tokens, dropped before the batch is
+yielded).
 
 Usage:
   tokenizer = make_tokenizer(config, directory=workdir + "/tokenizer")
   train_it = make_iterator(config, tokenizer, "train")
   batch = next(train_it)              # see m2jax/data/packing.py for keys
   state = train_it.get_state()        # json.dumps(state) with the checkpoint
+  long_it = make_iterator(long_config, tokenizer, "train",
+                          start_document=next_stage_start(config, state,
+                                                          long_config))
   val_ds = make_dataset(config, tokenizer, "validation")
   for batch in val_ds: ...            # a fresh pass on every iter()
 """
@@ -28,6 +43,7 @@ import atexit
 import functools
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 import weakref
 
@@ -42,6 +58,9 @@ from m2jax.data import tokenizer as tokenizer_lib
 from m2jax.data.config import DataConfig
 
 SPLITS = ("train", "validation")
+# The packed meta feature holding each row's documents as stream position + 1
+# (0: an empty slot).
+_DOCUMENT = "document"
 
 
 def make_tokenizer(config: DataConfig, directory: str | None = None
@@ -79,15 +98,19 @@ def make_tokenizer(config: DataConfig, directory: str | None = None
 
 def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
                  split: str = "train",
-                 documents: corpus.Documents | None = None
-                 ) -> grain.IterDataset:
+                 documents: Sequence[str] | None = None,
+                 start_document: int = 0) -> grain.IterDataset:
   """The batch pipeline of `split` ("train": infinite, "validation": one pass).
 
   `documents` overrides the split's documents (default:
-  `corpus.split_documents(config)[split]`).
+  `corpus.split_documents(config)[split]`). `start_document` is the stream
+  position of the first document read (train: counted over all epochs).
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if not _is_position(start_document):
+    raise ValueError(f"start_document must be an integer >= 0, got "
+                     f"{start_document!r}")
   if documents is None:
     documents = corpus.split_documents(config)[split]
   if not len(documents):  # pylint: disable=g-explicit-length-test
@@ -97,35 +120,71 @@ def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
   docs = grain.MapDataset.source(documents)
   if train:
     docs = docs.shuffle(seed=config.seed).repeat(None)
-  docs = docs.map(lambda text: {
-      "tokens": tokenizer_lib.encode_document(tokenizer, text)})
+  # Indexed before slicing, so the position is the document's place in the
+  # whole stream whatever stage starts where.
+  docs = docs.map_with_index(lambda position, text: {
+      "tokens": tokenizer_lib.encode_document(tokenizer, text),
+      _DOCUMENT: np.int64(position + 1)})
+  docs = docs[start_document:]
   rows = docs.to_iter_dataset(grain.ReadOptions(
       num_threads=config.num_threads,
       prefetch_buffer_size=4 * config.num_threads))
+  # A row holds at most seq_len / 2 documents (each has BOS and EOS), so the
+  # meta feature never limits packing; a split document is in both rows.
   rows = grain_exp.ConcatThenSplitIterDataset(
-      rows, length_struct={"tokens": config.seq_len})
+      rows, length_struct={"tokens": config.seq_len,
+                           _DOCUMENT: config.seq_len},
+      meta_features=(_DOCUMENT,))
   if train and config.shuffle_window > 1:
     rows = grain_exp.WindowShuffleIterDataset(
         rows, window_size=config.shuffle_window, seed=config.seed)
   batches = rows.batch(config.batch_size, drop_remainder=train)
   batches = batches.map(functools.partial(
-      packing.finish_batch, batch_size=config.batch_size,
+      _finish_batch, batch_size=config.batch_size,
       pad_id=tokenizer.pad_id, byte_lengths_V=tokenizer.byte_lengths()))
   if config.prefetch_batches:
     batches = grain_exp.ThreadPrefetchIterDataset(
         batches, prefetch_buffer_size=config.prefetch_batches)
-  return _JsonStateIterDataset(batches)
+  return _StreamIterDataset(batches, start_document)
 
 
 def make_iterator(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
                   split: str = "train", state: dict[str, Any] | None = None,
-                  documents: corpus.Documents | None = None
-                  ) -> grain.DatasetIterator:
-  """An iterator over `make_dataset(...)`, resumed from `state` if given."""
-  it = iter(make_dataset(config, tokenizer, split, documents))
+                  documents: Sequence[str] | None = None,
+                  start_document: int = 0) -> grain.DatasetIterator:
+  """An iterator over `make_dataset(...)`, resumed from `state` if given.
+
+  A state carries its own start_document; passing another one is an error.
+  """
+  if state is not None:
+    if start_document not in (0, state["start_document"]):
+      raise ValueError(f"start_document {start_document} contradicts the "
+                       f"state's {state['start_document']}")
+    start_document = state["start_document"]
+  it = iter(make_dataset(config, tokenizer, split, documents, start_document))
   if state is not None:
     it.set_state(state)
   return it
+
+
+def next_stage_start(previous: DataConfig, previous_state: dict[str, Any],
+                     config: DataConfig) -> int:
+  """Where a stage reading `config` starts in its document stream.
+
+  Args:
+    previous: the config of the stage before.
+    previous_state: its train iterator's `get_state()` at its last batch.
+    config: the new stage's config.
+
+  Returns:
+    The previous stage's `next_document` (one past the last stream position
+    whose tokens were in one of its batches) when `config` reads the same
+    stream (`DataConfig.same_stream`: only packing and batching differ), else
+    0: other documents are another stream, read from its beginning.
+  """
+  if previous.same_stream(config):
+    return int(previous_state["next_document"])
+  return 0
 
 
 def bytes_per_token(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
@@ -148,26 +207,66 @@ def bytes_per_token(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
   return total_bytes / max(total_targets, 1)
 
 
-class _JsonStateIterDataset(grain.IterDataset):
-  """Passes elements through; its iterators' states survive a JSON trip."""
+def _finish_batch(packed: dict[str, np.ndarray], **kwargs
+                  ) -> tuple[dict[str, np.ndarray], int]:
+  """(the batch, one past the highest stream position it holds tokens of)."""
+  stream_end = int(packed.pop(_DOCUMENT).max(initial=0))
+  return packing.finish_batch(packed, **kwargs), stream_end
+
+
+def _is_position(value) -> bool:
+  return (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+          and value >= 0)
+
+
+class _StreamIterDataset(grain.IterDataset):
+  """Yields the batches; its iterators track where the stream has been read."""
+
+  def __init__(self, parent: grain.IterDataset, start_document: int):
+    super().__init__(parent)
+    self._start_document = int(start_document)
 
   def __iter__(self) -> grain.DatasetIterator:
-    it = _JsonStateIterator(self._parent.__iter__())
+    it = _StreamIterator(self._parent.__iter__(), self._start_document)
     _LIVE_ITERATORS.add(it)
     return it
 
 
-class _JsonStateIterator(grain.DatasetIterator):
-  """get_state() is plain JSON data; set_state() accepts it back."""
+class _StreamIterator(grain.DatasetIterator):
+  """get_state() is plain JSON data; set_state() accepts it back.
 
-  def __next__(self):
-    return next(self._parent)
+  The state: {"start_document": first stream position this pipeline reads,
+  "next_document": one past the highest stream position any yielded batch
+  held tokens of (start_document before the first batch), "pipeline": grain's
+  state of the pipeline}.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator, start_document: int):
+    super().__init__(parent)
+    self._start_document = start_document
+    self._next_document = start_document
+
+  @property
+  def next_document(self) -> int:
+    return self._next_document
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch, stream_end = next(self._parent)
+    self._next_document = max(self._next_document, stream_end)
+    return batch
 
   def get_state(self) -> dict[str, Any]:
-    return json.loads(json.dumps(self._parent.get_state()))
+    return {"start_document": self._start_document,
+            "next_document": self._next_document,
+            "pipeline": json.loads(json.dumps(self._parent.get_state()))}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self._parent.set_state(packing.restore_state_types(state))
+    if state["start_document"] != self._start_document:
+      raise ValueError(
+          f"iterator state starts at document {state['start_document']}, "
+          f"this pipeline at {self._start_document}")
+    self._parent.set_state(packing.restore_state_types(state["pipeline"]))
+    self._next_document = int(state["next_document"])
 
 
 # grain's thread-prefetch iterators, collected during interpreter teardown,

@@ -20,7 +20,6 @@ process 0 alone writes config.json, metrics and the sample.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -32,7 +31,8 @@ from tqdm import tqdm
 from m2jax import params as params_lib
 from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
-from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
+from m2jax.data import (DataConfig, make_dataset, make_iterator, make_tokenizer,
+                        next_stage_start)
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import step as step_lib
@@ -58,12 +58,14 @@ def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
 def _stages(mcfg: ModelConfig, tcfg: TrainConfig, dcfg: DataConfig):
   """[(first step, DataConfig)] per context stage, tokens per batch fixed."""
   if not tcfg.context_schedule:
+    if dcfg.context_documents is not None:
+      raise ConfigError(
+          f"DataConfig.context_documents: {dcfg.context_documents!r} is for "
+          "the stages of TrainConfig.context_schedule, which is empty")
     stages = [(0, dcfg)]
   else:
-    tokens = dcfg.batch_size * dcfg.seq_len
-    stages = [(first, dataclasses.replace(
-        dcfg, seq_len=n, batch_size=max(1, tokens // n)))
-              for first, n in tcfg.context_stages()]
+    stages = [(first, dcfg.context_stage(i, n))
+              for i, (first, n) in enumerate(tcfg.context_stages())]
   for _, cfg in stages:
     if cfg.seq_len > mcfg.max_position_embeddings:
       raise ConfigError(
@@ -74,6 +76,24 @@ def _stages(mcfg: ModelConfig, tcfg: TrainConfig, dcfg: DataConfig):
 
 def _stage_at(stages, step: int) -> int:
   return max(i for i, (first, _) in enumerate(stages) if first <= step)
+
+
+def _stage_iterator(stages, stage: int, tokenizer, data_state):
+  """The train iterator of `stage`.
+
+  `data_state` ({"stage", "iterator"}: a checkpoint's, or the stage before's
+  at its end, or None) resumes it when it is this stage's; otherwise the stage
+  continues the stream where stage data_state["stage"] stopped.
+  """
+  config = stages[stage][1]
+  if data_state is None:
+    return make_iterator(config, tokenizer, "train")
+  if data_state["stage"] == stage:
+    return make_iterator(config, tokenizer, "train",
+                         state=data_state["iterator"])
+  start = next_stage_start(stages[data_state["stage"]][1],
+                           data_state["iterator"], config)
+  return make_iterator(config, tokenizer, "train", start_document=start)
 
 
 def _device_batch(batch, mesh=None):
@@ -146,10 +166,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
 
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
-  if data_state is not None and data_state.get("stage") != stage:
-    data_state = None  # the checkpoint closed the previous stage
-  train_it = make_iterator(sdcfg, tokenizer, "train",
-                           state=data_state and data_state["iterator"])
+  train_it = _stage_iterator(stages, stage, tokenizer, data_state)
   train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh,
                                          expert_options=expert_options)
   writer = (MetricsWriter(workdir, resume_step=start if resume else None)
@@ -174,9 +191,11 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   tick, tick_tokens = time.perf_counter(), 0
   for step in range(start, end):
     if _stage_at(stages, step) != stage:
+      ended = {"stage": stage, "iterator": train_it.get_state()}
+      train_it.close()
       stage = _stage_at(stages, step)
       sdcfg = stages[stage][1]
-      train_it = make_iterator(sdcfg, tokenizer, "train")
+      train_it = _stage_iterator(stages, stage, tokenizer, ended)
       flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
       bar.write(f"step {step}: context stage {stage}, seq_len "
                 f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
