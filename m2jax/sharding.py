@@ -212,11 +212,10 @@ def state_shardings(model_config: ModelConfig, train_config, mesh,
   # pylint: disable=import-outside-toplevel
   import optax
   from m2jax.train import step as step_lib
-  from m2jax.train.optim import make_optimizer
   var = variable_shardings(model_config, mesh, rules)
   params = jax.eval_shape(lambda: model.init(model_config,
                                              jax.random.key(0)))["params"]
-  opt = make_optimizer(train_config, params)
+  opt = step_lib.optimizer(model_config, train_config)
   opt_shapes = jax.eval_shape(opt.init, params)
   opt_sh = optax.tree_map_params(
       opt, lambda _, s: s, opt_shapes, var["params"],
