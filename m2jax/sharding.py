@@ -217,10 +217,13 @@ def state_shardings(model_config: ModelConfig, train_config, mesh,
                                              jax.random.key(0)))["params"]
   opt = step_lib.optimizer(model_config, train_config)
   opt_shapes = jax.eval_shape(opt.init, params)
+  # Partitioned optimizers (Muon + AdamW) hold each family's moments with
+  # optax.MaskedNode where the other family's parameters are: keep those.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   opt_sh = optax.tree_map_params(
-      opt, lambda _, s: s, opt_shapes, var["params"],
+      opt, lambda x, s: x if masked(x) else s, opt_shapes, var["params"],
       transform_non_params=lambda _: replicated(mesh),
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+      is_leaf=lambda x: isinstance(x, NamedSharding) or masked(x))
   return step_lib.TrainState(replicated(mesh), var["params"], opt_sh,
                              var.get(model.EXPERT_BIAS, {}))
 

@@ -12,7 +12,9 @@ from optax.contrib import MuonDimensionNumbers as Dims
 
 from m2jax import config as config_lib
 from m2jax import model
+from m2jax import sharding
 from m2jax.train import optim
+from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 
 # Side by side, a MoE model with an MTP module and a dense-FFN one hold
@@ -227,3 +229,17 @@ def test_muon_orthogonalises_attention_over_all_heads():
   path = ("moe", "layers_0", "attn", "q_proj")
   moved = attn(_direction(_perturbed(grads, path, (slice(None), 1))))
   assert np.abs(moved["q_proj"][:, 0] - update["q_proj"][:, 0]).max() > 1e-3
+
+
+@pytest.mark.parametrize("opt,mtp_only", [("muon", False), ("muon", True),
+                                          ("adamw", True)])
+def test_optimizer_state_gets_shardings(opt, mtp_only):
+  """Each family's moments (masked where the other family's parameters
+  are) get their parameters' shardings: Muon runs on a mesh."""
+  mcfg = CONFIGS["moe"]
+  tcfg = TrainConfig(optimizer=opt, mtp_only=mtp_only, mtp_depth=1)
+  mesh = sharding.make_mesh("data=1")
+  got = sharding.state_shardings(mcfg, tcfg, mesh).opt_state
+  want = jax.eval_shape(lambda: step_lib.init_state(
+      mcfg, tcfg, model.init(mcfg, jax.random.key(0)))).opt_state
+  assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -237,8 +237,9 @@ def make_optimizer(config: TrainConfig,
                                             decay_mask(param_axes)),
                   optax.scale_by_learning_rate(lr)))
   if config.mtp_only:
-    labels = lambda params: {k: "frozen" if is_frozen(config, k) else "train"
-                             for k in params}
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if is_frozen(config, path[0].key)
+        else "train", params)
     opt = optax.multi_transform(
         {"train": opt, "frozen": optax.set_to_zero()}, labels)
   return opt
