@@ -130,6 +130,9 @@ def test_unknown_axes_name_the_parameter():
     with pytest.raises(ValueError, match=r"attn/gate: logical axes "
                        r"\('embed', 'gates'\)"):
       tx.update(params, tx.init(params), params)
+  # A subset of the parameters (a checkpoint without MTP modules) is fine.
+  assert optim.param_kinds(axes, {"attn": {"q_proj": params["attn"][
+      "q_proj"]}}) == {"attn": {"q_proj": "attention q"}}
   with pytest.raises(ValueError, match="attn/k_proj has no logical axes"):
     optim.param_kinds(axes, {"attn": {"k_proj": jnp.zeros((4, 2, 2))}})
 

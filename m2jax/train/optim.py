@@ -3,11 +3,11 @@
 Every parameter carries logical axis names (m2jax.model.logical_axes; the
 names are listed in m2jax/model/layers.py). Its KIND, and so how it is
 optimised, is read from those names, never from its rank. PARAM_RULES is the
-single source; this table mirrors it. "Muon run" is the family under
-optimizer="muon" (under "adamw" every kind gets AdamW); for Muon kinds the
-axes read "batch | reduction -> output":
+single source; this table mirrors it. The "muon" column is each kind's
+family under optimizer="muon" (under "adamw" every kind gets AdamW); for
+Muon kinds the axes read "batch | reduction -> output":
 
-  kind              logical axes                    Muon run  decay
+  kind              logical axes                    muon      decay
   embedding         vocab, embed                    AdamW     yes
   lm_head           embed, vocab                    AdamW     yes
   attention q       embed -> q_heads, head_dim      Muon      yes
@@ -34,7 +34,8 @@ Scalable"): the embedding and lm_head, indexed by tokens rather than a hidden
 space, stay on AdamW, and so does the router gate, which is a small output
 head over experts. Attention q/k/v/o are orthogonalised as one matrix over
 all heads; `expert` is a batch axis, so each expert is orthogonalised on its
-own. Weight decay is decoupled (AdamW style, times the learning rate) and
+own. Muon's update is scaled by sqrt(max(1, fan_out / fan_in)) (optax's
+default) and shares the learning-rate schedule with AdamW. Weight decay is decoupled (AdamW style, times the learning rate) and
 applies to every weight matrix, embedding, lm_head and MTP projection
 included, but never to a gain (decay would pull the normalised activations
 towards zero, not regularise a map) and not to the router gate: its scale is
