@@ -101,7 +101,7 @@ def _prepare(run, mcfg, tcfg, opts):
   devices = jax.devices()[:run["n"]]
   mesh = sharding.make_mesh(run["mesh"], devices) if run["mesh"] else None
   rows = run["n"] * FLAGS.batch_per_gpu
-  init = lambda key: step_lib.init_state(tcfg, model.init(mcfg, key))
+  init = lambda key: step_lib.init_state(mcfg, tcfg, model.init(mcfg, key))
   key = jax.random.key(tcfg.seed)
   abstract = jax.eval_shape(init, key)
   batch = {k: jax.ShapeDtypeStruct((rows, FLAGS.seq_len), jnp.int32)

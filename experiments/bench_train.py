@@ -56,7 +56,7 @@ def bench(backend: str) -> dict:
                                     FLAGS.override + [f"gmm_backend={backend}"])
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
   t = time.perf_counter()
-  state = step_lib.init_state(tcfg, model.init(mcfg, jax.random.key(0)))
+  state = step_lib.init_state(mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
   train, _ = step_lib.jit_steps(mcfg, tcfg)
   print(f"{backend}: init {time.perf_counter() - t:.1f} s", flush=True)
   B, T = FLAGS.batch_size, FLAGS.seq_len

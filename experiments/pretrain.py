@@ -49,8 +49,10 @@ flags.DEFINE_integer("steps", 300, "Optimizer steps.")
 flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "Optimizer.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
 flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
-flags.DEFINE_float("decay_fraction", 0.2, "Final fraction of steps that decay.")
-flags.DEFINE_float("weight_decay", 0.1, "Weight decay on matrices.")
+flags.DEFINE_float("decay_fraction", TrainConfig.decay_fraction,
+                   "Final fraction of steps that decay (default: M2's).")
+flags.DEFINE_float("weight_decay", 0.1,
+                   "Weight decay (which parameters: m2jax.train.optim).")
 flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
 flags.DEFINE_integer("mtp_depth", 1, "MTP modules trained (<= the preset's).")
 flags.DEFINE_float("mtp_weight", 0.3, "MTP loss weight in the stable phase.")

@@ -76,8 +76,8 @@ def main(argv):
   tcfg = TrainConfig(steps=FLAGS.steps, learning_rate=FLAGS.learning_rate,
                      warmup_steps=min(20, FLAGS.steps), mtp_depth=0,
                      seed=FLAGS.seed)
-  state = step_lib.init_state(tcfg, model.init(mcfg,
-                                               jax.random.key(FLAGS.seed)))
+  state = step_lib.init_state(mcfg, tcfg, model.init(
+      mcfg, jax.random.key(FLAGS.seed)))
   train, _ = step_lib.jit_steps(mcfg, tcfg)
   rng = np.random.default_rng(FLAGS.seed)
   held_out = recall_batch(np.random.default_rng(FLAGS.seed + 10**6),

@@ -212,16 +212,18 @@ def state_shardings(model_config: ModelConfig, train_config, mesh,
   # pylint: disable=import-outside-toplevel
   import optax
   from m2jax.train import step as step_lib
-  from m2jax.train.optim import make_optimizer
   var = variable_shardings(model_config, mesh, rules)
   params = jax.eval_shape(lambda: model.init(model_config,
                                              jax.random.key(0)))["params"]
-  opt = make_optimizer(train_config, params)
+  opt = step_lib.optimizer(model_config, train_config)
   opt_shapes = jax.eval_shape(opt.init, params)
+  # Partitioned optimizers (Muon + AdamW) hold each family's moments with
+  # optax.MaskedNode where the other family's parameters are: keep those.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   opt_sh = optax.tree_map_params(
-      opt, lambda _, s: s, opt_shapes, var["params"],
+      opt, lambda x, s: x if masked(x) else s, opt_shapes, var["params"],
       transform_non_params=lambda _: replicated(mesh),
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+      is_leaf=lambda x: isinstance(x, NamedSharding) or masked(x))
   return step_lib.TrainState(replicated(mesh), var["params"], opt_sh,
                              var.get(model.EXPERT_BIAS, {}))
 

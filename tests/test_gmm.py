@@ -263,7 +263,7 @@ def test_layers_share_one_lowered_kernel_per_shape(monkeypatch):
         attention_impl="xla")
     tcfg = TrainConfig(steps=10, mtp_depth=0)
     state = jax.eval_shape(
-        lambda key: step_lib.init_state(tcfg, model.init(mcfg, key)),
+        lambda key: step_lib.init_state(mcfg, tcfg, model.init(mcfg, key)),
         jax.random.key(0))
     batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32)
              for k in ("tokens", "segment_ids", "positions")}

@@ -52,10 +52,11 @@ def test_wsd_schedule_and_mtp_anneal():
   tcfg = TrainConfig(steps=100, warmup_steps=10, decay_fraction=0.2,
                      learning_rate=1.0, min_lr_ratio=0.1)
   lr = schedules.learning_rate(tcfg)
-  np.testing.assert_allclose([lr(0), lr(9), lr(50), lr(80), lr(100)],
+  # Steps run 0..99: the decay phase is steps 80..99, ending at the floor.
+  np.testing.assert_allclose([lr(0), lr(9), lr(50), lr(79), lr(99)],
                              [0.1, 1.0, 1.0, 1.0, 0.1], rtol=1e-6)
   np.testing.assert_allclose(
-      [schedules.mtp_weight(tcfg, s) for s in (0, 79, 90, 100)],
+      [schedules.mtp_weight(tcfg, s) for s in (0, 79, 89, 99)],
       [0.3, 0.3, 0.2, 0.1], rtol=1e-6)
 
 

@@ -31,8 +31,9 @@ def load_run(workdir: str):
   """(model_config, data_config, tokenizer, variables, step) of the newest
   complete checkpoint in `workdir`."""
   mcfg, tcfg, dcfg = load_configs(workdir)
+  # Shapes only, no memory.
   state = jax.eval_shape(lambda: step_lib.init_state(
-      tcfg, model.init(mcfg, jax.random.key(0))))  # shapes only, no memory
+      mcfg, tcfg, model.init(mcfg, jax.random.key(0))))
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=tcfg.keep_checkpoints)
   restored = checkpointer.restore_latest(state)

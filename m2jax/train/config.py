@@ -8,6 +8,13 @@ from m2jax.config import ConfigError
 
 OPTIMIZERS = ("adamw", "muon")
 
+# M2's pretraining tokens (SPEC §2): 29.2T = a constant-lr phase of 19.9T
+# plus a decay phase of 9.3T.
+M2_CONSTANT_TOKENS = 19.9e12
+M2_DECAY_TOKENS = 9.3e12
+# The fraction of training that decays: 9.3 / 29.2 = 0.318.
+M2_DECAY_FRACTION = M2_DECAY_TOKENS / (M2_CONSTANT_TOKENS + M2_DECAY_TOKENS)
+
 # Context extension as (fraction of steps where the stage starts, seq_len).
 # M2 grows 8K -> 32K -> 192K in stages (SPEC §2); "cpu" is a CPU-sized copy.
 CONTEXT_SCHEDULES = {
@@ -22,7 +29,16 @@ def _fail(field, rule, value):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """How to train. Model shape lives in ModelConfig, data in DataConfig."""
+  """How to train. Model shape lives in ModelConfig, data in DataConfig.
+
+  The learning rate is warmup-stable-decay (m2jax.train.schedules): linear
+  warm-up over `warmup_steps`, constant, then a linear decay over the last
+  `decay_fraction` of steps that reaches `min_lr_ratio` of the peak at the
+  last step. `decay_fraction` defaults to M2's split (SPEC §2): 29.2T
+  pretraining tokens = 19.9T at constant lr + 9.3T of decay, so 9.3 / 29.2 =
+  0.318 of training decays (tokens per step are constant, context extension
+  included, so the token fraction is the step fraction).
+  """
 
   steps: int = 1000
   seed: int = 0
@@ -31,9 +47,8 @@ class TrainConfig:
   learning_rate: float = 3e-4
   min_lr_ratio: float = 0.1          # lr at the end of the decay phase
   warmup_steps: int = 100
-  # Warmup-stable-decay: the last `decay_fraction` of steps decay linearly
-  # (M2: 19.9T constant + 9.3T decay tokens, i.e. ~0.32).
-  decay_fraction: float = 0.2
+  # The last `decay_fraction` of steps decay (M2: 0.318, class docstring).
+  decay_fraction: float = M2_DECAY_FRACTION
   weight_decay: float = 0.1
   b1: float = 0.9
   b2: float = 0.95

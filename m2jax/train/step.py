@@ -34,9 +34,20 @@ class TrainState(NamedTuple):
   expert_bias: Any
 
 
-def init_state(train_config: TrainConfig, variables) -> TrainState:
+@functools.lru_cache(maxsize=8)
+def _param_axes(model_config: ModelConfig):
+  return model.logical_axes(model_config)["params"]
+
+
+def optimizer(model_config: ModelConfig, train_config: TrainConfig):
+  """The optimizer of `train_config` over the model's parameters (optim)."""
+  return make_optimizer(train_config, _param_axes(model_config))
+
+
+def init_state(model_config: ModelConfig, train_config: TrainConfig,
+               variables) -> TrainState:
   """Step 0 state from model variables (params + expert bias)."""
-  opt = make_optimizer(train_config, variables["params"])
+  opt = optimizer(model_config, train_config)
   return TrainState(jnp.zeros((), jnp.int32), variables["params"],
                     opt.init(variables["params"]),
                     variables.get(model.EXPERT_BIAS, {}))
@@ -52,16 +63,16 @@ def create_state(model_config: ModelConfig, train_config: TrainConfig,
   if mesh is None:
     if variables is None:
       variables = model.init(model_config, jax.random.key(train_config.seed))
-    return init_state(train_config, variables)
+    return init_state(model_config, train_config, variables)
   shardings = sharding.state_shardings(model_config, train_config, mesh)
   if variables is None:
-    make = jax.jit(lambda key: init_state(train_config,
+    make = jax.jit(lambda key: init_state(model_config, train_config,
                                           model.init(model_config, key)),
                    out_shardings=shardings)
     return make(jax.random.key(train_config.seed))
   variables = sharding.place(
       variables, sharding.variable_shardings(model_config, mesh))
-  return jax.jit(functools.partial(init_state, train_config),
+  return jax.jit(functools.partial(init_state, model_config, train_config),
                  out_shardings=shardings)(variables)
 
 
@@ -92,7 +103,7 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
 def train_step(state: TrainState, batch, *, model_config: ModelConfig,
                train_config: TrainConfig):
   """One optimizer step; returns the new state and float32 metrics."""
-  opt = make_optimizer(train_config, state.params)
+  opt = optimizer(model_config, train_config)
   grad_fn = jax.value_and_grad(
       functools.partial(_loss_fn, mcfg=model_config, tcfg=train_config),
       has_aux=True)
