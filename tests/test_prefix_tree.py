@@ -165,6 +165,84 @@ def test_sample_longer_than_a_row_is_rejected():
     pt.pack([[1, 2, 3, 4]], row_len=3)
 
 
+# ------------------------------------------------- per-token log-probs -----
+
+M2_VOCAB = config_lib.MINIMAX_M2.vocab_size   # 200,064
+LONG_ROW = 10_800     # > 2**31 / M2_VOCAB = 10,734: parent * V overflows int32
+
+
+def _random_parents(rng, R, T):
+  """Parents of a random tree per row: -1 at the first token, else any
+  earlier token (far jumps included)."""
+  parent = (np.arange(T)[None] - rng.integers(1, T, (R, T))).astype(np.int32)
+  parent = np.maximum(parent, rng.integers(-1, 1, (R, T)))
+  parent[:, 0] = -1
+  return parent
+
+
+def test_picked_logits_at_m2_vocab_in_a_long_row():
+  """The gather at V = 200,064 and T = 10,800 (T * V > 2**31) returns the
+  right element for every token. The logits are a closed form of (r, t, v)
+  built inside the jitted function, so XLA fuses them into the gather and
+  the 17 GB array never exists; every coordinate shifts the value."""
+  R, T, V = 2, LONG_ROW, M2_VOCAB
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, V, (R, T)).astype(np.int32)
+  tokens[:, -4:] = V - 1          # the largest coordinates in every axis
+  parent = _random_parents(rng, R, T)
+  parent[:, -2:] = T - 3
+
+  def closed_form(r, t, v):  # exact integers in float32 (< 2**23)
+    return ((31 * v + 17 * t + 5 * r) & (2**23 - 1)).astype(np.float32)
+
+  def picked(tokens, parent):
+    r, t, v = (jax.lax.broadcasted_iota(jnp.int32, (R, T, V), d)
+               for d in range(3))
+    return pt.picked_logits(closed_form(r, t, v), tokens, parent)
+
+  compiled = jax.jit(picked).lower(tokens, parent).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < 2**26
+  got = np.asarray(compiled(tokens, parent))
+  r = np.arange(R)[:, None]
+  want = closed_form(r, np.maximum(parent, 0), tokens.astype(np.int64))
+  np.testing.assert_array_equal(got, want)
+  # The whole log-prob traces at this shape (it used to overflow here).
+  shape = jax.eval_shape(
+      pt.token_logprobs, jax.ShapeDtypeStruct((R, T, V), jnp.float32),
+      jax.ShapeDtypeStruct((R, T), jnp.int32),
+      jax.ShapeDtypeStruct((R, T), jnp.int32))
+  assert shape.shape == (R, T)
+
+
+def test_token_logprobs_values_gradients_and_memory():
+  """Against log_softmax at the parent on random trees: values, the
+  gradient of a weighted sum, and no second [R, T, V] array in the forward
+  (the compiled temporaries stay far below one copy of the logits)."""
+  R, T, V = 2, 48, 301
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(0, 3, (R, T, V)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, V, (R, T)), jnp.int32)
+  parent = jnp.asarray(_random_parents(rng, R, T))
+  w = jnp.asarray(rng.normal(size=(R, T)), jnp.float32)
+
+  def reference(logits):
+    lp = jax.nn.log_softmax(logits, -1)
+    lp = lp[jnp.arange(R)[:, None], jnp.maximum(parent, 0), tokens]
+    return jnp.where(parent >= 0, lp, 0.0)
+
+  got = jax.jit(pt.token_logprobs)(logits, tokens, parent)
+  np.testing.assert_allclose(got, jax.jit(reference)(logits), rtol=1e-6,
+                             atol=1e-6)
+  assert np.all(np.asarray(got)[np.asarray(parent) < 0] == 0)
+  g = jax.jit(jax.grad(
+      lambda x: jnp.sum(w * pt.token_logprobs(x, tokens, parent))))
+  g_ref = jax.jit(jax.grad(lambda x: jnp.sum(w * reference(x))))
+  np.testing.assert_allclose(g(logits), g_ref(logits), rtol=1e-5, atol=1e-6)
+  compiled = jax.jit(pt.token_logprobs).lower(logits, tokens,
+                                              parent).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < logits.nbytes // 8
+
+
 # --------------------------------------------------------------- CISPO -----
 
 def test_group_advantages_are_standardised():
