@@ -258,12 +258,77 @@ def test_cispo_reweights_but_never_drops_a_token():
   lp = jnp.array([[-1.0, -0.5, -2.0, -1.0]])
   old = jnp.array([[-1.0, -1.5, -1.0, -1.0]])      # ratios 1, e, 1/e, 1
   adv = jnp.array([[1.0, 2.0, -1.0, 5.0]])
-  mask = jnp.array([[True, True, True, False]])
-  grad = jax.grad(lambda x: cispo.cispo_loss(x, old, adv, mask, cfg)[0])(lp)
+  mask = np.array([[True, True, True, False]])
+  w = jnp.asarray(cispo.token_weights(mask, [0], cfg))
+  grad = jax.jit(jax.grad(
+      lambda x: cispo.cispo_loss(x, old, adv, w, cfg)[0]))(lp)
   ratio = np.exp(np.asarray(lp - old))
-  want = -np.clip(ratio, 0.0, 1.2) * np.asarray(adv) * np.asarray(mask) / 3
+  want = -np.clip(ratio, 0.0, 1.2) * np.asarray(adv) * mask / 3
   np.testing.assert_allclose(grad, want, rtol=1e-6)
   assert np.all(np.asarray(grad)[0, :3] != 0)
+
+
+def _cispo_reference(lp, old, adv, mask, groups, eps_low, eps_high,
+                     normalize):
+  """The seeds' objective written out per group (numpy, float64): loss and
+  its gradient with respect to the log-probs."""
+  coef = np.clip(np.exp(lp - old), 1 - eps_low, 1 + eps_high) * adv * mask
+  if normalize == "batch":
+    return -np.sum(coef * lp) / mask.sum(), -coef / mask.sum()
+  labels = sorted({g for g, m in zip(groups, mask) if m.any()})
+  loss, grad = 0.0, np.zeros_like(lp)
+  for g in labels:
+    rows = np.array([x == g for x in groups])
+    n_g = mask[rows].sum()
+    loss -= np.sum(coef[rows] * lp[rows]) / n_g / len(labels)
+    grad[rows] = -coef[rows] / n_g / len(labels)
+  return loss, grad
+
+
+@pytest.mark.parametrize("normalize", ["group", "batch"])
+def test_cispo_matches_the_objective_per_group_or_per_batch(normalize):
+  """Three prompts with 3, 2 and 4 responses of different lengths (so
+  groups hold different token counts), a fourth whose responses train no
+  token, eps_low < 1 with ratios below 1 - eps_low, advantages of both
+  signs: loss and gradient equal the numpy objective, and the weights
+  split over any partition of the samples (rows) add up to the batch."""
+  rng = np.random.default_rng(5)
+  groups = [7, 7, 7, 2, 2, 9, 9, 9, 9, 4, 4]
+  S, L = len(groups), 12
+  lengths = rng.integers(2, L + 1, S)
+  mask = (np.arange(L)[None] < lengths[:, None]) & (rng.random((S, L)) < 0.8)
+  mask[[9, 10]] = False
+  lp = rng.normal(-2.0, 1.0, (S, L))
+  old = lp + rng.normal(0.0, 0.7, (S, L))
+  adv = np.repeat(rng.normal(0.0, 1.0, (S, 1)), L, axis=1)
+  cfg = cispo.CISPOConfig(eps_low=0.2, eps_high=0.3, normalize=normalize)
+  ratio = np.exp(lp - old)[mask]
+  assert (ratio < 0.8).any() and (ratio > 1.3).any() and (adv < 0).any()
+
+  w = cispo.token_weights(mask, groups, cfg)
+  np.testing.assert_allclose(w.sum(), 1.0, rtol=1e-6)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  loss_fn = lambda x, w: cispo.cispo_loss(x, f32(old), f32(adv), f32(w),
+                                          cfg)[0]
+  loss, grad = jax.jit(jax.value_and_grad(loss_fn))(f32(lp), w)
+  want_loss, want_grad = _cispo_reference(lp, old, adv, mask, groups, 0.2,
+                                          0.3, normalize)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+  other = "batch" if normalize == "group" else "group"
+  assert abs(want_loss - _cispo_reference(lp, old, adv, mask, groups, 0.2,
+                                          0.3, other)[0]) > 1e-2
+  part = rng.random(S) < 0.5                      # two "rows"
+  parts = sum(loss_fn(f32(lp), np.where(p[:, None], w, 0)) for p in
+              (part, ~part))
+  np.testing.assert_allclose(parts, loss, rtol=1e-6)
+
+
+def test_cispo_config_names_the_bad_field():
+  with pytest.raises(ValueError, match="CISPOConfig.normalize"):
+    cispo.CISPOConfig(normalize="sample")
+  with pytest.raises(ValueError, match="CISPOConfig.eps_low"):
+    cispo.CISPOConfig(eps_low=1.5)
 
 
 # ----------------------------------------------------------- exactness -----
@@ -323,11 +388,13 @@ def _merged_outputs(params, trees):
 
 
 def _loss(logprobs_SxL, trees):
+  cfg = cispo.CISPOConfig(eps_high=0.3, normalize="batch")
   return cispo.cispo_loss(logprobs_SxL,
                           jnp.asarray(trees.payloads["old_logprobs"]),
                           jnp.asarray(trees.payloads["advantages"]),
-                          jnp.asarray(trees.loss_mask),
-                          cispo.CISPOConfig(eps_high=0.3))[0]
+                          cispo.token_weights(trees.loss_mask,
+                                              np.arange(len(trees.loss_mask)),
+                                              cfg), cfg)[0]
 
 
 def test_merged_logprobs_mtp_and_cispo_gradient_equal_unmerged():
