@@ -13,6 +13,7 @@ from m2jax import config as config_lib
 from m2jax import model
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
+from m2jax.rl import step as rl_step
 
 
 # ------------------------------------------------------------ batches ------
@@ -335,6 +336,10 @@ def test_cispo_config_names_the_bad_field():
 
 CFG = config_lib.TINY.replace(num_mtp_modules=1, compute_dtype="float32",
                               attention_impl="xla")
+# The same model with tree attention through the Pallas kernel (interpreted).
+CFG_KERNEL = CFG.replace(attention_impl="pallas_interpret")
+RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
+                      mtp_depth=1, mtp_weight=0.5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -343,23 +348,30 @@ def _variables():
 
 
 def _exactness_batch(rng):
+  """A GRPO group (group 0) and an agent trajectory (group 1): different
+  token counts. Old log-probs scatter around the initial model's (about
+  -log V), so ratios fall below 1 - eps_low, inside, and above 1 + eps_high;
+  advantages of both signs."""
   vocab = CFG.vocab_size - 2  # the rewrite marker is vocab + 1
   seqs = grpo_group(rng, 9, 4, 4, vocab=vocab)
   traj, traj_masks = agent_trajectory(rng, steps=4, rewrite_at=1, vocab=vocab)
   seqs += traj
   masks = [[False] * 9 + [True] * (len(s) - 9) for s in seqs[:4]] + traj_masks
-  old = [rng.normal(-2.0, 0.5, len(s)).astype(np.float32) for s in seqs]
-  adv = []
-  for a, s in zip(np.asarray(cispo.group_advantages(rng.random(len(seqs)))),
-                  seqs):
-    adv.append(np.full(len(s), a, np.float32))
-  return seqs, masks, {"old_logprobs": old, "advantages": adv}
+  old = [rng.normal(-np.log(CFG.vocab_size), 0.4, len(s)).astype(np.float32)
+         for s in seqs]
+  adv = [np.full(len(s), a, np.float32) for a, s in
+         zip(rng.normal(0.0, 1.0, len(seqs)), seqs)]
+  groups = [0] * 4 + [1] * len(traj)
+  return seqs, masks, {"old_logprobs": old, "advantages": adv}, groups
 
 
-def _unmerged_outputs(params, seqs, L):
-  """Reference: one padded row per sample, the model's ordinary causal path."""
-  tokens = np.zeros((len(seqs), L), np.int32)
-  seg = np.zeros((len(seqs), L), np.int32)
+def _unmerged_loss(params, seqs, trees, groups):
+  """Reference: one padded row per sample through the model's ordinary
+  causal path; CISPO with group weights plus the depth-1 MTP CE (token
+  mean over trained tokens l >= 2), written out here."""
+  S, L = trees.loss_mask.shape
+  tokens = np.zeros((S, L), np.int32)
+  seg = np.zeros((S, L), np.int32)
   for s, seq in enumerate(seqs):
     tokens[s, :len(seq)], seg[s, :len(seq)] = seq, 1
   out = model.forward(CFG, dict(_variables(), params=params),
@@ -372,69 +384,58 @@ def _unmerged_outputs(params, seqs, L):
   mtp = jax.nn.log_softmax(out.mtp_logits[0], -1)
   mtp = jnp.take_along_axis(mtp[:, :-2], tok[:, 2:, None], -1)[..., 0]
   mtp_SxL = jnp.pad(mtp, ((0, 0), (2, 0)))                # token l from l-2
-  return lp_SxL, mtp_SxL
+  weights = cispo.token_weights(trees.loss_mask, groups, RL.cispo)
+  loss = cispo.cispo_loss(lp_SxL, trees.payloads["old_logprobs"],
+                          trees.payloads["advantages"], weights, RL.cispo)[0]
+  mtp_mask = trees.loss_mask & (np.arange(L)[None] >= 2)
+  mtp_ce = -jnp.sum(jnp.where(mtp_mask, mtp_SxL, 0.0)) / mtp_mask.sum()
+  return loss + RL.mtp_weight * mtp_ce
 
 
-def _merged_outputs(params, trees):
-  inputs = trees.model_inputs()
-  tokens = jnp.asarray(trees.tokens)
-  out = model.forward(CFG, dict(_variables(), params=params), tokens,
-                      mtp_depth=1, **inputs)
-  index = jnp.asarray(trees.sample_index)
-  lp_SxL = pt.sample_logprobs(out.logits, tokens, inputs["parent"], index)
-  mtp_SxL = pt.sample_logprobs(out.mtp_logits[0], tokens, inputs["parent"],
-                               index)
-  return lp_SxL, mtp_SxL
-
-
-def _loss(logprobs_SxL, trees):
-  cfg = cispo.CISPOConfig(eps_high=0.3, normalize="batch")
-  return cispo.cispo_loss(logprobs_SxL,
-                          jnp.asarray(trees.payloads["old_logprobs"]),
-                          jnp.asarray(trees.payloads["advantages"]),
-                          cispo.token_weights(trees.loss_mask,
-                                              np.arange(len(trees.loss_mask)),
-                                              cfg), cfg)[0]
-
-
-def test_merged_logprobs_mtp_and_cispo_gradient_equal_unmerged():
-  """The tiny MoE model in float32: per-sample logprobs, MTP depth-1
-  logprobs and the gradient of the token-mean CISPO loss are the same from
-  the merged tree (one row, and split over rows by a budget) as from the
-  unmerged batch, to 1e-5."""
+def test_merged_cispo_and_mtp_gradient_equal_unmerged():
+  """The tiny MoE model in float32, the library's merged RL step (CISPO
+  with per-group weights + MTP depth 1): loss and the gradient of every
+  parameter leaf equal the unmerged batch's, to 1e-5 of the leaf's largest
+  entry, from one tree in one row (tree attention through the Pallas
+  kernel, interpreted) and from a tree split over rows by the budget and
+  processed one row at a time (dense tree mask), the row gradients summed.
+  Every leaf, the MTP module's included, gets a gradient."""
   rng = np.random.default_rng(0)
-  seqs, masks, payloads = _exactness_batch(rng)
+  seqs, masks, payloads, groups = _exactness_batch(rng)
   L = max(map(len, seqs))
-  params = _variables()["params"]
-  valid = np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None]
+  variables = _variables()
+  params, bias = variables["params"], variables[model.EXPERT_BIAS]
+  one_row = pt.pack(seqs, row_len=128, loss_masks=masks, payloads=payloads,
+                    max_len=L)
+  split = pt.pack(seqs, row_len=L + 3, loss_masks=masks, payloads=payloads,
+                  max_len=L)
+  assert one_row.num_tokens < sum(map(len, seqs))
+  assert one_row.tokens.shape[0] == 1 and split.tokens.shape[0] > 1
+  ratio = np.exp(-np.log(CFG.vocab_size) - one_row.payloads["old_logprobs"])
+  ratio = ratio[one_row.loss_mask]
+  assert (ratio < 0.8).any() and (ratio > 1.3).any()
 
-  def unmerged(p):
-    lp, mtp = _unmerged_outputs(p, seqs, L)
-    return _loss(lp, trees_one_row), (lp, mtp)
-
-  def merged(p, trees):
-    lp, mtp = _merged_outputs(p, trees)
-    return _loss(lp, trees), (lp, mtp)
-
-  trees_one_row = pt.pack(seqs, row_len=128, loss_masks=masks,
-                          payloads=payloads, max_len=L)
-  trees_split = pt.pack(seqs, row_len=L + 3, loss_masks=masks,
-                        payloads=payloads, max_len=L)
-  assert trees_one_row.num_tokens < sum(map(len, seqs))
-  assert trees_split.tokens.shape[0] > 1
-  (loss_u, (lp_u, mtp_u)), g_u = jax.jit(
-      jax.value_and_grad(unmerged, has_aux=True))(params)
-  for trees in (trees_one_row, trees_split):
-    (loss_m, (lp_m, mtp_m)), g_m = jax.jit(jax.value_and_grad(
-        functools.partial(merged, trees=trees), has_aux=True))(params)
-    lp_valid = valid & (np.arange(L)[None] >= 1)
-    np.testing.assert_allclose(np.asarray(lp_m)[lp_valid],
-                               np.asarray(lp_u)[lp_valid], atol=1e-5)
-    mtp_valid = valid & (np.arange(L)[None] >= 2)
-    np.testing.assert_allclose(np.asarray(mtp_m)[mtp_valid],
-                               np.asarray(mtp_u)[mtp_valid], atol=1e-5)
-    np.testing.assert_allclose(loss_m, loss_u, atol=1e-6)
+  loss_u, g_u = jax.jit(jax.value_and_grad(functools.partial(
+      _unmerged_loss, seqs=seqs, trees=one_row, groups=groups)))(params)
+  step = lambda cfg: jax.jit(functools.partial(
+      rl_step.grad_step, model_config=cfg, config=RL))
+  (batch,) = rl_step.make_batches(one_row, groups, RL)
+  assert "pallas_call" in str(jax.make_jaxpr(functools.partial(
+      model.forward, CFG_KERNEL, variables))(
+          batch.tokens, segment_ids=batch.segment_ids,
+          positions=batch.positions, subtree_end=batch.subtree_end))
+  g_one, m_one, _ = step(CFG_KERNEL)(params, bias, batch)
+  row_step = step(CFG)
+  parts = [row_step(params, bias, b) for b in
+           rl_step.make_batches(split, groups, RL, rows_per_batch=1)]
+  g_split = jax.tree.map(lambda *x: sum(x), *[g for g, _, _ in parts])
+  loss_split = sum(m["loss"] for _, m, _ in parts)
+  for name, loss_m, g_m in (("one row, kernel", m_one["loss"], g_one),
+                            ("rows", loss_split, g_split)):
+    np.testing.assert_allclose(loss_m, loss_u, rtol=1e-5, err_msg=name)
     for (path, gm), gu in zip(jax.tree_util.tree_leaves_with_path(g_m),
                               jax.tree_util.tree_leaves(g_u)):
-      np.testing.assert_allclose(gm, gu, atol=1e-5, err_msg=str(path))
-  assert float(jnp.abs(jax.tree_util.tree_leaves(g_u)[0]).max()) > 0
+      scale = float(np.abs(gu).max())
+      assert scale > 0, f"{name}: no gradient at {path}"
+      err = float(np.abs(np.asarray(gm) - np.asarray(gu)).max())
+      assert err <= 1e-5 * scale, f"{name} {path}: {err:.3g} vs {scale:.3g}"
