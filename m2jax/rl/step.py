@@ -29,7 +29,9 @@ one micro-batch) and applies the optimizer and the expert-bias update
                               model_config=mcfg, train_config=tcfg,
                               config=config)
 
-The step adds no router auxiliary loss: the expert bias balances the load.
+The step adds no router auxiliary loss: the expert bias balances the load,
+updated from the load of the tokens actually computed (a shared prefix
+routes once, as it runs once).
 """
 
 from __future__ import annotations
