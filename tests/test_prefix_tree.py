@@ -1,5 +1,7 @@
 """Prefix-tree merging: the packed layout, the batch shapes Forge produces,
-CISPO, and exactness of merged logprobs / MTP / CISPO gradients."""
+per-token log-probs at M2's vocabulary, CISPO against the seeds' objective,
+and exactness of the merged RL step (CISPO + MTP gradients) against the
+unmerged batch."""
 
 import functools
 
