@@ -9,17 +9,22 @@ One GPU run:
              causal attention on the same number of tokens and tokamax's
              flash attention with a per-key q_end mask (if importable); a
              correctness check of ours against the float32 reference.
-  model      forward+backward (CISPO loss) of a model step, unmerged (every
-             sample its own causal chain) vs merged (prefix trees), on
+  model      forward+backward of the library's merged RL step
+             (m2jax.rl.step.grad_step: CISPO with per-group normalisation on
+             per-sample log-probs, the objective training runs), unmerged
+             (every sample its own causal chain) vs merged (prefix trees), on
              (a) GRPO groups and (b) agent trajectories; both layouts run the
-             same jitted step on rows of the same length (the unmerged batch
-             needs more rows: gradient accumulation), so the speedup is the
-             ratio of summed row times, printed next to the FLOPs ratio.
+             same jitted step on rows of the same length, one row per call
+             (the unmerged batch needs more rows: gradient accumulation), so
+             the speedup is the ratio of summed row times, printed next to
+             the FLOPs ratio. The row losses sum to the batch loss (whole-
+             batch token weights), which both layouts must agree on.
 
   python -m experiments.bench_prefix_tree --out=benchmarks/results/prefix_tree_h100.json
 """
 
 import datetime
+import functools
 import json
 import os
 import traceback
@@ -38,6 +43,7 @@ from m2jax import model
 from m2jax import params as params_lib
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
+from m2jax.rl import step as rl_step
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/prefix_tree_h100.json",
                            "JSON results")
@@ -77,6 +83,8 @@ _AGENT_START = flags.DEFINE_integer("agent_start", 2048, "initial state")
 _AGENT_FINAL = flags.DEFINE_integer("agent_final", 32768, "final length")
 _AGENT_REWRITE = flags.DEFINE_bool(
     "agent_rewrite", True, "rewrite the context once in the last trajectory")
+# The policy loss of the timed step (no MTP: the bench model has none).
+_RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_high=0.3))
 
 
 def _tile_config(text):
@@ -220,21 +228,26 @@ def _best_tiles(rows, failed):
 # ----------------------------------------------------------------- model ---
 
 def _grpo_samples(rng, vocab):
+  """(sequences, loss masks, group ids): each group one prompt and G
+  responses; the responses are trained."""
   groups, G, prompt, resp = (int(x) for x in _GRPO.value.split("x"))
-  seqs = []
-  for _ in range(groups):
+  seqs, masks, group_ids = [], [], []
+  for g in range(groups):
     p = rng.integers(1, vocab, prompt)
-    seqs += [np.concatenate([p, rng.integers(1, vocab, resp)])
-             for _ in range(G)]
-  return seqs
+    for _ in range(G):
+      seqs.append(np.concatenate([p, rng.integers(1, vocab, resp)]))
+      masks.append(np.arange(prompt + resp) >= prompt)
+      group_ids.append(g)
+  return seqs, masks, group_ids
 
 
 def _agent_samples(rng, vocab):
-  """Sample t = state_t + action_t; state_{t+1} = state_t + action_t + obs_t.
-  The last trajectory's context is rewritten once (at 3/4 of its steps):
-  the state keeps its first half plus a summary (1/16 of its length), so
-  its chain branches there."""
-  seqs = []
+  """Sample t = state_t + action_t; state_{t+1} = state_t + action_t + obs_t;
+  the actions are trained, each trajectory is a group. The last
+  trajectory's context is rewritten once (at 3/4 of its steps): the state
+  keeps its first half plus a summary (1/16 of its length), so its chain
+  branches there."""
+  seqs, masks, group_ids = [], [], []
   for i, steps in enumerate(int(s) for s in _AGENT_STEPS.value):
     rewrite = (3 * steps // 4 if _AGENT_REWRITE.value
                and i == len(_AGENT_STEPS.value) - 1 else None)
@@ -244,12 +257,14 @@ def _agent_samples(rng, vocab):
       n_act = int(growth * rng.uniform(0.2, 0.4))
       action = rng.integers(1, vocab, n_act)
       seqs.append(np.concatenate([state, action]))
+      masks.append(np.arange(len(state) + n_act) >= len(state))
+      group_ids.append(i)
       state = np.concatenate([state, action,
                               rng.integers(1, vocab, growth - n_act)])
       if t == rewrite:
         state = np.concatenate([state[:len(state) // 2],
                                 rng.integers(1, vocab, len(state) // 16)])
-  return seqs
+  return seqs, masks, group_ids
 
 
 def _model_config():
@@ -260,70 +275,79 @@ def _model_config():
   return cfg
 
 
-def _make_step(cfg, variables):
-  def loss_fn(params, row):
-    out = model.forward(cfg, dict(variables, params=params), row["tokens"],
-                        segment_ids=row["segment_ids"],
-                        positions=row["positions"],
-                        subtree_end=row["subtree_end"])
-    lp = pt.token_logprobs(out.logits, row["tokens"], row["parent"])
-    # Node-layout payloads: the same work as gathering to samples first.
-    return cispo.cispo_loss(lp, row["old_logprobs"], row["advantages"],
-                            row["mask"])[0]
-  return jax.jit(jax.value_and_grad(loss_fn))
+def _payloads(rng, seqs, group_ids, vocab):
+  """Rollout log-probs near the initial model's (about -log V) and
+  group-relative advantages of random rewards, per token."""
+  rewards = rng.random(len(seqs))
+  adv = np.zeros(len(seqs), np.float32)
+  for g in set(group_ids):
+    members = [i for i, x in enumerate(group_ids) if x == g]
+    adv[members] = cispo.group_advantages(rewards[members])
+  return {"old_logprobs": [rng.normal(-np.log(vocab), 0.5, len(s))
+                           for s in seqs],
+          "advantages": [np.full(len(s), a) for s, a in zip(seqs, adv)]}
 
 
-def _rows(trees, rng):
-  R, T = trees.tokens.shape
-  real = trees.segment_ids != 0
-  for r in range(R):
-    yield {"tokens": trees.tokens[r:r + 1],
-           "segment_ids": trees.segment_ids[r:r + 1],
-           "positions": trees.positions[r:r + 1],
-           "subtree_end": trees.subtree_end[r:r + 1],
-           "parent": trees.parent[r:r + 1],
-           "old_logprobs": rng.normal(-2, 0.5, (1, T)).astype(np.float32),
-           "advantages": rng.normal(0, 1, (1, T)).astype(np.float32),
-           "mask": (real[r:r + 1] & (rng.random((1, T)) < 0.5))}
-
-
-def _time_layout(step, params, trees, rng):
-  """Seconds of one forward+backward over all rows (the median of 3 timings
-  per row when there are few rows, else one; after a warm-up)."""
-  rows = [jax.device_put(r) for r in _rows(trees, rng)]
-  jax.block_until_ready(step(params, rows[0]))
+def _time_layout(step, params, bias, batches):
+  """(seconds, loss) of one forward+backward over all rows, one row per
+  call (the median of 3 timings per row when there are few rows, else one;
+  after a warm-up). The per-token weights are the whole batch's, so the row
+  losses add up to the batch loss."""
+  rows = [jax.device_put(b) for b in batches]
+  jax.block_until_ready(step(params, bias, rows[0]))
   reps = 3 if len(rows) <= 4 else 1
-  return sum(timing.time_fn(step, params, row, reps=reps, warmup=0)[0]
-             for row in rows)
+  seconds, loss = 0.0, 0.0
+  for row in rows:
+    t, (_, metrics, _) = timing.time_fn(step, params, bias, row, reps=reps,
+                                        warmup=0)
+    seconds += t
+    loss += float(metrics["loss"])
+  return seconds, loss
 
 
 def _time_model(results, remat=False):
   cfg = _model_config().replace(remat=remat)
   rng = np.random.default_rng(0)
   variables = model.init(cfg, jax.random.key(0))
-  params = variables["params"]
-  samples = {"a_grpo": _grpo_samples, "b_agent": _agent_samples}
-  unknown = set(_MODEL_CASES.value) - set(samples)
+  params, bias = variables["params"], variables.get(model.EXPERT_BIAS, {})
+  samplers = {"a_grpo": _grpo_samples, "b_agent": _agent_samples}
+  unknown = set(_MODEL_CASES.value) - set(samplers)
   if unknown:
     raise ValueError(f"--model_cases: unknown {sorted(unknown)}, "
-                     f"choose from {sorted(samples)}")
-  cases = [(c, samples[c](rng, cfg.vocab_size)) for c in _MODEL_CASES.value]
-  layouts = {case: {name: pt.pack(seqs, row_len=_ROW_LEN.value, merge=merge)
-                    for name, merge in (("unmerged", False), ("merged", True))}
-             for case, seqs in cases}
-  # Every row of every layout has one shape: compile once, time everything.
-  first = jax.device_put(next(_rows(layouts[cases[0][0]]["merged"], rng)))
-  step = _make_step(cfg, variables).lower(params, first).compile()
+                     f"choose from {sorted(samplers)}")
+  cases = [(c, samplers[c](rng, cfg.vocab_size)) for c in _MODEL_CASES.value]
+  max_len = max(len(s) for _, (seqs, _, _) in cases for s in seqs)
+  layouts = {}
+  for case, (seqs, masks, group_ids) in cases:
+    payloads = _payloads(rng, seqs, group_ids, cfg.vocab_size)
+    layouts[case] = {
+        name: pt.pack(seqs, row_len=_ROW_LEN.value, merge=merge,
+                      loss_masks=masks, payloads=payloads, max_len=max_len)
+        for name, merge in (("unmerged", False), ("merged", True))}
+  # Every row of every layout has one shape (rows of row_len, the same
+  # sample slots): compile once, time everything.
+  slots = max(int(np.bincount(t.sample_index[:, 0] // _ROW_LEN.value).max())
+              for by_name in layouts.values() for t in by_name.values())
+  batches = {case: {name: rl_step.make_batches(
+      trees, group_ids, _RL, rows_per_batch=1, samples_per_batch=slots)
+                    for name, trees in layouts[case].items()}
+             for case, (_, _, group_ids) in cases}
+  first = jax.device_put(batches[cases[0][0]]["merged"][0])
+  step = jax.jit(functools.partial(rl_step.grad_step, model_config=cfg,
+                                   config=_RL))
+  step = step.lower(params, bias, first).compile()
   mem = step.memory_analysis()
   step_memory = {"temp": mem.temp_size_in_bytes / 2**30,
                  "arguments": mem.argument_size_in_bytes / 2**30,
                  "outputs": mem.output_size_in_bytes / 2**30}
   print("compiled step memory (GiB):", step_memory, flush=True)
   out = []
-  for case, seqs in cases:
+  for case, (seqs, _, _) in cases:
     row = {"case": case, "samples": len(seqs),
            "sample_tokens": int(sum(map(len, seqs))), "config": _CONFIG.value,
            "ffn": cfg.ffn_type, "remat": remat, "row_len": _ROW_LEN.value,
+           "loss": "CISPO, per-group normalisation, sample layout "
+                   "(m2jax.rl.step.grad_step)",
            "step_memory_gib": step_memory}
     for name, trees in layouts[case].items():
       entries = trees.attention_entries()
@@ -331,12 +355,16 @@ def _time_model(results, remat=False):
                    "tokens": trees.num_tokens, "attention_entries": entries,
                    "flops": params_lib.train_flops(cfg, trees.num_tokens,
                                                    entries)}
-      row[name]["seconds"] = _time_layout(step, params, trees, rng)
+      row[name]["seconds"], row[name]["loss"] = _time_layout(
+          step, params, bias, batches[case][name])
       row[name]["tflops"] = row[name]["flops"] / row[name]["seconds"] / 1e12
     u, m = row["unmerged"], row["merged"]
     row["speedup"] = u["seconds"] / m["seconds"]
     row["flops_ratio"] = u["flops"] / m["flops"]
     row["speedup_over_flops_ratio"] = row["speedup"] / row["flops_ratio"]
+    # The same objective from both layouts (the merged step is exact).
+    row["loss_rel_diff"] = abs(u["loss"] - m["loss"]) / max(
+        abs(u["loss"]), 1e-30)
     # Doing the whole batch in one step instead of accumulating over rows
     # needs activation memory proportional to the rows.
     row["one_step_activation_gib"] = {
@@ -348,8 +376,9 @@ def _time_model(results, remat=False):
           f" | merged {m['rows']} rows {m['tokens']} tok {m['seconds']:.3f} s "
           f"({m['tflops']:.0f} TFLOP/s) | speedup {row['speedup']:.2f}x, "
           f"FLOPs ratio {row['flops_ratio']:.2f}x "
-          f"({100 * row['speedup_over_flops_ratio']:.0f}%) | per-row step "
-          f"temp {row['step_memory_gib']['temp']:.1f} GiB", flush=True)
+          f"({100 * row['speedup_over_flops_ratio']:.0f}%) | loss "
+          f"{u['loss']:.6g} vs {m['loss']:.6g} | per-row step temp "
+          f"{row['step_memory_gib']['temp']:.1f} GiB", flush=True)
     _record(results, "model", out)
   return out
 

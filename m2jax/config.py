@@ -24,7 +24,9 @@ SLIDING = "sliding"
 ATTENTION_KINDS = (FULL, SLIDING)
 GATINGS = ("sigmoid", "softmax")
 FFN_TYPES = ("moe", "dense")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# "pallas_interpret": tree-layout full attention through the Pallas tree
+# kernel in interpret mode (CPU tests of the kernel path), else "xla".
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas_interpret")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

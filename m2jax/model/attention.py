@@ -14,8 +14,9 @@ Tree layout (prefix-tree merged samples, m2jax.rl.prefix_tree): given
 j <= i < subtree_end[j]" (i is j or one of its descendants) and positions
 are depths. Full-attention layers then run the Pallas tree-attention kernel
 on a GPU (kernels/tree_attention.py; `attention_impl="xla"` or a CPU use the
-dense mask instead); sliding-window layers use the dense mask, the window
-measured on depths.
+dense mask instead; `attention_impl="pallas_interpret"` runs the kernel in
+interpret mode on any backend, for CPU tests); sliding-window layers use the
+dense mask, the window measured on depths.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import TreeAttentionConfig, tree_attention
 from m2jax.config import ModelConfig
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
@@ -75,7 +76,7 @@ def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
   """Dispatch to cuDNN flash attention on GPU or the XLA reference."""
   if impl == "auto":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  if impl == "xla":
+  if impl in ("xla", "pallas_interpret"):
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
@@ -117,7 +118,9 @@ class Attention(nn.Module):
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
 
     if subtree_end_BxT is not None and self._use_tree_kernel():
-      out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT)
+      interpret = cfg.attention_impl == "pallas_interpret"
+      out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT,
+                           config=TreeAttentionConfig(interpret=interpret))
     else:
       mask = attention_mask(segment_ids_BxT, positions_BxT,
                             window=self.window,
@@ -128,6 +131,9 @@ class Attention(nn.Module):
     return constrain(y, ("act_batch", "act_length", "act_embed"))
 
   def _use_tree_kernel(self) -> bool:
-    """Pallas tree kernel for full layers on a GPU unless impl is "xla"."""
-    return (self.window is None and self.config.attention_impl != "xla"
-            and jax.default_backend() == "gpu")
+    """Pallas tree kernel for full layers on a GPU unless impl is "xla";
+    anywhere (interpreted) with impl "pallas_interpret"."""
+    impl = self.config.attention_impl
+    return self.window is None and (
+        impl == "pallas_interpret"
+        or (impl != "xla" and jax.default_backend() == "gpu"))

@@ -279,20 +279,33 @@ def gather_samples(values_RxT, sample_index_SxL, fill=0):
   return jnp.where(valid, out, fill)
 
 
+def picked_logits(logits_RxTxV, tokens_RxT, parent_RxT):
+  """[R, T]: logits[r, parent[r, t], tokens[r, t]], the logit each token was
+  predicted with (at parent 0 for roots; token_logprobs masks those).
+
+  One gather with a (row, position, vocab) coordinate per token, each index
+  within its own dimension: no flattened index like parent * V + token,
+  which overflows int32 once T * V > 2**31 (V = 200,064: rows of 10,734
+  tokens). Reads one element per token, never a second [R, T, V] array.
+  """
+  R = logits_RxTxV.shape[0]
+  rows_Rx1 = jnp.arange(R, dtype=jnp.int32)[:, None]
+  par = jnp.maximum(parent_RxT, 0)
+  return logits_RxTxV[rows_Rx1, par, tokens_RxT].astype(jnp.float32)
+
+
 def token_logprobs(logits_RxTxV, tokens_RxT, parent_RxT):
   """log p(token t | its ancestors) = log_softmax(logits[parent[t]])[token t].
 
-  Gathers one logit per token (never a second [R, T, V] array). 0 at roots.
-  The same rule gives MTP depth k: pass that depth's logits (tree layout,
-  see m2jax.model.transformer) and keep tokens whose parent has depth >= k.
+  [R, T] float32, 0 at roots. The same rule gives MTP depth k: pass that
+  depth's logits (tree layout, see m2jax.model.transformer) and keep tokens
+  whose parent has depth >= k. Gradients flow to the picked logits and,
+  through the log-sum-exp, to every logit of each parent position.
   """
-  R, T, V = logits_RxTxV.shape
-  logits = logits_RxTxV.astype(jnp.float32)
-  lse_RxT = jax.nn.logsumexp(logits, axis=-1)
+  lse_RxT = jax.nn.logsumexp(logits_RxTxV.astype(jnp.float32), axis=-1)
   par = jnp.maximum(parent_RxT, 0)
-  flat = (par * V + tokens_RxT).reshape(R, T)
-  picked = jnp.take_along_axis(logits.reshape(R, T * V), flat, axis=1)
-  lp = picked - jnp.take_along_axis(lse_RxT, par, axis=1)
+  lp = (picked_logits(logits_RxTxV, tokens_RxT, parent_RxT)
+        - jnp.take_along_axis(lse_RxT, par, axis=1))
   return jnp.where(parent_RxT >= 0, lp, 0.0)
 
 

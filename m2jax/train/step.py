@@ -100,29 +100,40 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
   return loss, (metrics, out)
 
 
-def train_step(state: TrainState, batch, *, model_config: ModelConfig,
-               train_config: TrainConfig):
-  """One optimizer step; returns the new state and float32 metrics."""
+def apply_gradients(state: TrainState, grads, out: model.ModelOutput, *,
+                    model_config: ModelConfig, train_config: TrainConfig):
+  """The optimizer update of `grads` and the expert-bias update from the
+  routing load in `out` (only its routing fields are read). Returns the new
+  state and float32 metrics. Shared by the pretraining and RL steps."""
   opt = optimizer(model_config, train_config)
-  grad_fn = jax.value_and_grad(
-      functools.partial(_loss_fn, mcfg=model_config, tcfg=train_config),
-      has_aux=True)
-  (_, (metrics, out)), grads = grad_fn(state.params, state.expert_bias, batch,
-                                       state.step)
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
   # A frozen module keeps its routing too.
   bias = {k: state.expert_bias[k] if is_frozen(train_config, k) else v
           for k, v in bias.items()}
-  metrics = dict(metrics, grad_norm=optax.tree.norm(grads),
-                 lr=schedules.learning_rate(train_config)(state.step))
+  metrics = {"grad_norm": optax.tree.norm(grads),
+             "lr": schedules.learning_rate(train_config)(state.step)}
   if out.routing is not None:
     dropped = jnp.sum(out.routing.dropped)
     if out.mtp_routing is not None:
       dropped = dropped + jnp.sum(out.mtp_routing.dropped)
     metrics["moe/dropped"] = dropped
   return TrainState(state.step + 1, params, opt_state, bias), metrics
+
+
+def train_step(state: TrainState, batch, *, model_config: ModelConfig,
+               train_config: TrainConfig):
+  """One optimizer step; returns the new state and float32 metrics."""
+  grad_fn = jax.value_and_grad(
+      functools.partial(_loss_fn, mcfg=model_config, tcfg=train_config),
+      has_aux=True)
+  (_, (metrics, out)), grads = grad_fn(state.params, state.expert_bias, batch,
+                                       state.step)
+  state, step_metrics = apply_gradients(state, grads, out,
+                                        model_config=model_config,
+                                        train_config=train_config)
+  return state, dict(metrics, **step_metrics)
 
 
 def eval_step(state: TrainState, batch, *, model_config: ModelConfig,

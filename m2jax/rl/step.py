@@ -1,0 +1,238 @@
+"""The merged RL step: Forge's policy update on prefix-tree rows (SPEC §3).
+
+Samples are merged into prefix trees and packed into rows
+(m2jax.rl.prefix_tree.pack, with the loss masks and the "old_logprobs" and
+"advantages" payloads). The step runs the model once per row in tree
+layout, gathers every sample's per-token log-probs back to its own layout
+and computes the loss there, so the objective is exactly the unmerged one:
+
+  loss = CISPO(log pi, old log pi, A; token weights)            (cispo.py)
+       + mtp_weight * mean_k sum w_k * (-log p_k)     (optional, depth k)
+
+MTP (k = 1..mtp_depth): depth k's log-prob of token l of a sample, read
+from the tree-layout MTP logits at the token's parent (valid where
+depth(parent) >= k, i.e. l >= k + 1), on the trained tokens (the policy's
+outputs, which the MTP modules draft at rollout). As in pretraining, each
+depth's CE is a token mean over the batch and the depths are averaged.
+
+Every term is a weighted sum whose weights are computed once for the whole
+batch on the host (`make_batches`), so a batch can be cut into micro-batches
+of rows (a group may straddle rows): their losses, gradients and metrics
+add up to the batch's. `train_step` accumulates them with a scan (memory of
+one micro-batch) and applies the optimizer and the expert-bias update
+(m2jax.train.step.apply_gradients); `grad_step` is one micro-batch.
+
+  trees = prefix_tree.pack(seqs, row_len=T, loss_masks=masks, payloads={
+      "old_logprobs": old, "advantages": adv})
+  batches = make_batches(trees, group_ids, config, rows_per_batch=1)
+  state, metrics = train_step(state, stack_batches(batches),
+                              model_config=mcfg, train_config=tcfg,
+                              config=config)
+
+The step adds no router auxiliary loss: the expert bias balances the load,
+updated from the load of the tokens actually computed (a shared prefix
+routes once, as it runs once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2jax import model
+from m2jax.config import ModelConfig
+from m2jax.rl import cispo
+from m2jax.rl import prefix_tree
+from m2jax.train import step as train_lib
+from m2jax.train.config import TrainConfig
+
+# The MTP loss weight at the end of pretraining's decay phase (the paper
+# anneals 0.3 -> 0.1; SPEC §2): RL continues from there.
+MTP_WEIGHT = 0.1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig:
+  """The policy loss and the MTP modules trained alongside it."""
+  cispo: cispo.CISPOConfig = cispo.CISPOConfig()
+  mtp_depth: int = 0
+  mtp_weight: float = MTP_WEIGHT
+
+  def __post_init__(self):
+    if self.mtp_depth < 0:
+      raise ValueError(f"RLConfig.mtp_depth: must be >= 0 (got "
+                       f"{self.mtp_depth!r})")
+    if self.mtp_weight < 0:
+      raise ValueError(f"RLConfig.mtp_weight: must be >= 0 (got "
+                       f"{self.mtp_weight!r})")
+
+
+class RLBatch(NamedTuple):
+  """One micro-batch: R packed rows of T tokens in tree layout and the S
+  samples they hold (L tokens at most), with whole-batch weights."""
+  tokens: np.ndarray        # [R, T] int32
+  segment_ids: np.ndarray   # [R, T] int32, 0 = padding
+  positions: np.ndarray     # [R, T] int32, depths
+  subtree_end: np.ndarray   # [R, T] int32
+  parent: np.ndarray        # [R, T] int32, -1 at roots and padding
+  sample_index: np.ndarray  # [S, L] int32, r * T + t in these rows, -1 pad
+  old_logprobs: np.ndarray  # [S, L] float32
+  advantages: np.ndarray    # [S, L] float32
+  weights: np.ndarray       # [S, L] float32, CISPO token weights
+  mtp_weights: np.ndarray   # [K, S, L] float32, depth-k CE weights
+
+
+def _mtp_weights(loss_mask_SxL, depth: int) -> np.ndarray:
+  """[K, S, L]: depth k's token mean over trained tokens l >= k + 1."""
+  L = loss_mask_SxL.shape[1]
+  out = np.zeros((depth,) + loss_mask_SxL.shape, np.float32)
+  for k in range(1, depth + 1):
+    m = loss_mask_SxL & (np.arange(L)[None] >= k + 1)
+    out[k - 1] = m / max(m.sum(), 1)
+  return out
+
+
+def make_batches(trees: prefix_tree.PackedTrees, group_ids_S,
+                 config: RLConfig, *, rows_per_batch: int | None = None,
+                 samples_per_batch: int | None = None) -> list[RLBatch]:
+  """Cuts packed trees into micro-batches of `rows_per_batch` rows (default:
+  all rows), weights computed over the whole batch first.
+
+  Every micro-batch has the same shapes (one compiled step): the last one
+  gets padding rows, and each holds `samples_per_batch` sample slots
+  (default: the most any micro-batch needs; padding slots weigh 0).
+  `trees.payloads` must hold "old_logprobs" and "advantages".
+  """
+  missing = {"old_logprobs", "advantages"} - set(trees.payloads)
+  if missing:
+    raise ValueError(f"make_batches: trees.payloads lacks {sorted(missing)}")
+  R, T = trees.tokens.shape
+  k = R if rows_per_batch is None else rows_per_batch
+  if k < 1:
+    raise ValueError(f"make_batches: rows_per_batch must be >= 1, got {k}")
+  weights = cispo.token_weights(trees.loss_mask, group_ids_S, config.cispo)
+  mtp_weights = _mtp_weights(trees.loss_mask, config.mtp_depth)
+  row_of_sample = trees.sample_index[:, 0] // T
+  starts = range(0, R, k)
+  members = [np.nonzero((row_of_sample >= a) & (row_of_sample < a + k))[0]
+             for a in starts]
+  S = max(map(len, members)) if samples_per_batch is None else (
+      samples_per_batch)
+  if S < max(map(len, members)):
+    raise ValueError(f"make_batches: a micro-batch holds "
+                     f"{max(map(len, members))} samples, samples_per_batch="
+                     f"{S}")
+
+  def rows(x, a, fill):  # rows a .. a+k of x, padding rows set to `fill`
+    part = x[a:a + k]
+    pad = np.broadcast_to(np.asarray(fill, x.dtype), (k - len(part), T))
+    return np.concatenate([part, pad])
+
+  def slots(x, ids, fill, axis=0):  # samples `ids` of x in S slots
+    part = np.take(x, ids, axis=axis)
+    shape = list(part.shape)
+    shape[axis] = S - len(ids)
+    return np.concatenate([part, np.full(shape, fill, x.dtype)], axis=axis)
+
+  out = []
+  for a, ids in zip(starts, members):
+    index = slots(trees.sample_index, ids, -1)
+    out.append(RLBatch(
+        tokens=rows(trees.tokens, a, 0),
+        segment_ids=rows(trees.segment_ids, a, 0),
+        positions=rows(trees.positions, a, 0),
+        # In a padding row every token sees only itself.
+        subtree_end=rows(trees.subtree_end, a, np.arange(1, T + 1)),
+        parent=rows(trees.parent, a, -1),
+        sample_index=np.where(index >= 0, index - a * T, -1).astype(np.int32),
+        old_logprobs=slots(trees.payloads["old_logprobs"], ids, 0),
+        advantages=slots(trees.payloads["advantages"], ids, 0),
+        weights=slots(weights, ids, 0),
+        mtp_weights=slots(mtp_weights, ids, 0, axis=1)))
+  return out
+
+
+def stack_batches(batches) -> RLBatch:
+  """Micro-batches stacked on a leading axis [M, ...] for `train_step`."""
+  return RLBatch(*(np.stack(field) for field in zip(*batches)))
+
+
+def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
+            config: RLConfig):
+  """(loss, (metrics, model output)) of one micro-batch (module docstring).
+
+  Metrics are weighted sums, so a batch's are the sums over its
+  micro-batches.
+  """
+  variables = {"params": params}
+  if expert_bias:
+    variables[model.EXPERT_BIAS] = expert_bias
+  tokens, parent = batch.tokens, batch.parent
+  out = model.forward(model_config, variables, tokens,
+                      segment_ids=batch.segment_ids,
+                      positions=batch.positions,
+                      subtree_end=batch.subtree_end, parent=parent,
+                      mtp_depth=config.mtp_depth)
+  logprobs_SxL = prefix_tree.sample_logprobs(out.logits, tokens, parent,
+                                             batch.sample_index)
+  loss, metrics = cispo.cispo_loss(logprobs_SxL, batch.old_logprobs,
+                                   batch.advantages, batch.weights,
+                                   config.cispo)
+  if config.mtp_depth:
+    ces = []
+    for k, logits_k in enumerate(out.mtp_logits, start=1):
+      lp_k = prefix_tree.sample_logprobs(logits_k, tokens, parent,
+                                         batch.sample_index)
+      ces.append(-jnp.sum(batch.mtp_weights[k - 1] * lp_k))
+      metrics[f"mtp/ce_{k}"] = ces[-1]
+    mtp_ce = sum(ces) / config.mtp_depth
+    loss = loss + config.mtp_weight * mtp_ce
+    metrics["mtp/ce"] = mtp_ce
+  metrics["loss"] = loss
+  return loss, (metrics, out)
+
+
+def grad_step(params, expert_bias, batch: RLBatch, *,
+              model_config: ModelConfig, config: RLConfig):
+  """Gradients, metrics and routing of one micro-batch (jittable).
+
+  Returns (grads, metrics, routing): `routing` is the ModelOutput with only
+  its routing statistics kept (what the expert-bias update reads), so it
+  can be summed over micro-batches like the rest.
+  """
+  grad_fn = jax.grad(functools.partial(loss_fn, model_config=model_config,
+                                       config=config), has_aux=True)
+  grads, (metrics, out) = grad_fn(params, expert_bias, batch)
+  routing = out._replace(logits=None, hidden=None,
+                         mtp_logits=(None,) * len(out.mtp_logits))
+  return grads, metrics, routing
+
+
+def train_step(state: train_lib.TrainState, batches: RLBatch, *,
+               model_config: ModelConfig, train_config: TrainConfig,
+               config: RLConfig):
+  """One policy update over micro-batches stacked on axis 0
+  (`stack_batches`): gradients, metrics and expert loads summed by a scan,
+  then the optimizer and expert-bias update of the pretraining step.
+  Returns the new state and metrics."""
+  step = functools.partial(grad_step, model_config=model_config,
+                           config=config)
+
+  def body(total, batch):
+    part = step(state.params, state.expert_bias, batch)
+    return jax.tree.map(jnp.add, total, part), None
+
+  first = jax.tree.map(lambda x: x[0], batches)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       jax.eval_shape(step, state.params, state.expert_bias,
+                                      first))
+  (grads, metrics, routing), _ = jax.lax.scan(body, zeros, batches)
+  state, step_metrics = train_lib.apply_gradients(
+      state, grads, routing, model_config=model_config,
+      train_config=train_config)
+  return state, dict(metrics, **step_metrics)

@@ -1,0 +1,133 @@
+"""The merged RL step (m2jax.rl.step): micro-batches of packed rows with
+whole-batch weights, and the train step that accumulates them.
+
+Exactness of the merged loss and gradients against the unmerged batch is in
+tests/test_prefix_tree.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m2jax import config as config_lib
+from m2jax import model
+from m2jax.rl import cispo
+from m2jax.rl import prefix_tree as pt
+from m2jax.rl import step as rl_step
+from m2jax.train import step as train_lib
+from m2jax.train.config import TrainConfig
+
+CFG = config_lib.TINY.replace(num_mtp_modules=1, attention_impl="xla")
+RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
+                      mtp_depth=1)
+
+
+def _batch(seed=0, vocab=60):
+  """Three prompt groups of 2-4 responses in 5 rows of 20 tokens; the row
+  budget splits groups over rows."""
+  rng = np.random.default_rng(seed)
+  seqs, masks, groups = [], [], []
+  for g, (n_prompt, G) in enumerate(((9, 4), (5, 2), (7, 3))):
+    prompt = list(rng.integers(1, vocab, n_prompt))
+    for _ in range(G):
+      resp = list(rng.integers(1, vocab, int(rng.integers(2, 7))))
+      seqs.append(prompt + resp)
+      masks.append([False] * n_prompt + [True] * len(resp))
+      groups.append(g)
+  payloads = {
+      "old_logprobs": [rng.normal(-np.log(CFG.vocab_size), 0.4, len(s))
+                       for s in seqs],
+      "advantages": [np.full(len(s), rng.normal()) for s in seqs]}
+  trees = pt.pack(seqs, row_len=20, loss_masks=masks, payloads=payloads)
+  return seqs, trees, groups
+
+
+@pytest.mark.parametrize("rows_per_batch", [1, 2])
+def test_make_batches_keeps_each_sample_whole_with_batch_weights(
+    rows_per_batch):
+  seqs, trees, groups = _batch()
+  R, T = trees.tokens.shape
+  row_of_sample = trees.sample_index[:, 0] // T
+  assert R == 5 and len(set(row_of_sample[np.array(groups) == 0])) > 1
+  batches = rl_step.make_batches(trees, groups, RL,
+                                 rows_per_batch=rows_per_batch)
+  assert len(batches) == -(-R // rows_per_batch)
+  assert len({jax.tree.map(np.shape, b) for b in batches}) == 1
+  weights = cispo.token_weights(trees.loss_mask, groups, RL.cispo)
+  seen = []
+  for b in batches:
+    for slot in range(b.sample_index.shape[0]):
+      index = b.sample_index[slot]
+      if index[0] < 0:                       # an empty slot weighs nothing
+        assert not b.weights[slot].any() and not b.mtp_weights[:, slot].any()
+        continue
+      n = int((index >= 0).sum())
+      s = next(s for s, seq in enumerate(seqs) if len(seq) == n and np.all(
+          b.tokens.reshape(-1)[index[:n]] == seq) and s not in seen)
+      seen.append(s)
+      np.testing.assert_array_equal(b.weights[slot], weights[s])
+      np.testing.assert_array_equal(b.old_logprobs[slot],
+                                    trees.payloads["old_logprobs"][s])
+      parent = b.parent.reshape(-1)[index[1:n]]
+      np.testing.assert_array_equal(parent, index[:n - 1] % T)
+  assert sorted(seen) == list(range(len(seqs)))
+  total = sum(b.weights.sum() for b in batches)
+  np.testing.assert_allclose(total, 1.0, rtol=1e-6)
+  np.testing.assert_allclose(sum(b.mtp_weights.sum() for b in batches), 1.0,
+                             rtol=1e-6)
+  last = batches[-1]
+  if R % rows_per_batch:                     # a padding row
+    assert not last.segment_ids[-1].any() and np.all(last.parent[-1] == -1)
+    np.testing.assert_array_equal(last.subtree_end[-1], np.arange(1, T + 1))
+
+
+def test_make_batches_rejects_bad_input():
+  _, trees, groups = _batch()
+  with pytest.raises(ValueError, match="samples_per_batch"):
+    rl_step.make_batches(trees, groups, RL, rows_per_batch=1,
+                         samples_per_batch=1)
+  with pytest.raises(ValueError, match="advantages"):
+    rl_step.make_batches(pt.pack([[1, 2, 3]], row_len=4,
+                                 payloads={"old_logprobs": [[0, 0, 0]]}),
+                         [0], RL)
+  with pytest.raises(ValueError, match="RLConfig.mtp_depth"):
+    rl_step.RLConfig(mtp_depth=-1)
+
+
+def test_train_step_over_rows_equals_one_batch():
+  """One policy update with the rows as three micro-batches (scan) equals
+  the update with all rows at once: loss, parameters and the expert bias
+  (loads summed over micro-batches) of the main and MTP blocks."""
+  _, trees, groups = _batch(seed=1)
+  variables = model.init(CFG, jax.random.key(0))
+  # A large Adam eps keeps the first update linear in the gradient, so
+  # float rounding in tiny gradients cannot flip its sign.
+  tcfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3)
+  step = jax.jit(functools.partial(rl_step.train_step, model_config=CFG,
+                                   train_config=tcfg, config=RL))
+  results = []
+  for rows in (1, None):
+    state = train_lib.init_state(tcfg, variables)
+    batches = rl_step.stack_batches(rl_step.make_batches(
+        trees, groups, RL, rows_per_batch=rows))
+    results.append(step(state, batches))
+  (rows_state, rows_m), (one_state, one_m) = results
+  assert int(rows_state.step) == 1
+  for key in ("loss", "cispo/loss", "mtp/ce", "grad_norm"):
+    np.testing.assert_allclose(rows_m[key], one_m[key], rtol=1e-5,
+                               err_msg=key)
+  assert float(one_m["mtp/ce"]) > 0 and float(one_m["cispo/tokens"]) > 0
+  for (path, a), b, p0 in zip(
+      jax.tree_util.tree_leaves_with_path(rows_state.params),
+      jax.tree_util.tree_leaves(one_state.params),
+      jax.tree_util.tree_leaves(variables["params"])):
+    moved = float(jnp.abs(b - p0).max())
+    assert moved > 0, path
+    assert float(jnp.abs(a - b).max()) <= 1e-4 * moved, path
+  jax.tree.map(np.testing.assert_array_equal, rows_state.expert_bias,
+               one_state.expert_bias)
+  bias = one_state.expert_bias
+  assert float(jnp.abs(bias["layers_0"]["moe"]["bias"]).max()) > 0
+  assert float(jnp.abs(bias["mtp_0"]["block_0"]["moe"]["bias"]).max()) > 0
