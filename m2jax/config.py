@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from m2jax.errors import UserError
+
 # Attention kinds for `attention_pattern`.
 FULL = "full"
 SLIDING = "sliding"
@@ -27,8 +29,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
-  """A config field holds a value outside its allowed range."""
+class ConfigError(UserError, ValueError):
+  """A config field (or the flag that sets it) holds a value outside its
+  allowed range, or a checkpoint was made with another config."""
 
 
 def _fail(field: str, rule: str, value) -> None:
