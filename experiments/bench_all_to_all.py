@@ -17,9 +17,9 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from experiments import exchange_timing
+from experiments import cli, exchange_timing
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gpus", 4, "GPUs in the exchange.")
@@ -82,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

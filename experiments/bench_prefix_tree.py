@@ -24,12 +24,12 @@ import json
 import os
 import traceback
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from kernels import tree_attention as ta
 from kernels import tree_attention_bench as tb
 from kernels.timing import time_fn
@@ -428,4 +428,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

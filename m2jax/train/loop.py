@@ -32,7 +32,8 @@ from tqdm import tqdm
 from m2jax import params as params_lib
 from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
-from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
+from m2jax.data import (DataConfig, make_dataset, make_iterator,
+                        make_tokenizer, split_documents)
 from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
@@ -111,6 +112,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
+  split_documents(dcfg)  # a wrong data path fails here, before any work
   os.makedirs(workdir, exist_ok=True)
   tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
   if tokenizer.vocab_size > mcfg.vocab_size:
