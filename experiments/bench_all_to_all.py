@@ -17,9 +17,10 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from benchmarks import exchange
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("gpus", 4, "GPUs in the exchange.")
@@ -82,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

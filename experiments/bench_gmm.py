@@ -16,7 +16,6 @@ import json
 import os
 import traceback
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ import numpy as np
 
 from benchmarks import gmm_cases as gb
 from benchmarks import timing
+from experiments import cli
 from kernels import gmm_mosaic
 from m2jax import params
 
@@ -44,6 +44,7 @@ _XLA_MAX_T = flags.DEFINE_integer("xla_max_tokens", 4096,
                                   "skip jax.lax.ragged_dot above this T "
                                   "(it densifies and runs out of memory)")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/gmm_h100.json", "JSON")
+cli.integer_lists("tokens")
 _MAX_ERR = 1e-2
 
 _SHAPES = {"up": (3072, 1536), "down": (1536, 3072)}
@@ -329,4 +330,4 @@ def _summary(results):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -29,7 +29,6 @@ import json
 import os
 import traceback
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks import tree_attention_cases as tb
+from experiments import cli
 from kernels import tree_attention as ta
 from m2jax import config as config_lib
 from m2jax import model
@@ -431,4 +431,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

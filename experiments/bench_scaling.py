@@ -25,12 +25,13 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import exchange
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
@@ -64,6 +65,7 @@ flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
                     "JSON output.")
 flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
                      "many seconds (the JSON keeps what finished).")
+cli.integer_lists("gpus")
 
 
 def _write(result):
@@ -286,4 +288,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

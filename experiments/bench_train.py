@@ -15,11 +15,12 @@ import os
 import statistics
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, params
 from m2jax.data import single_document_batch
@@ -126,4 +127,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,8 +5,9 @@
 
 import json
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import params
 
@@ -23,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -7,8 +7,9 @@ synthetic long-context tasks at several context lengths.
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import cli
 from m2jax.eval import TASKS, evaluate_tasks
 from m2jax.eval.runs import load_run
 from m2jax.train import step as step_lib
@@ -23,6 +24,9 @@ flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
 flags.DEFINE_integer("val_batches", 16, "Validation batches for the loss.")
 flags.DEFINE_string("output", None, "JSON output (default WORKDIR/eval.json).")
 flags.mark_flag_as_required("workdir")
+flags.register_validator("tasks", lambda tasks: set(tasks) <= set(TASKS),
+                         f"each must be one of {TASKS}")
+cli.integer_lists("lengths")
 
 
 def main(argv):
@@ -44,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -15,8 +15,9 @@
 import json
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import sharding
 from m2jax.data import DataConfig
@@ -66,4 +67,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -15,8 +15,9 @@ All logic is in m2jax.train.loop; this file only turns flags into configs.
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import sharding
 from m2jax.data import DataConfig
@@ -111,4 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

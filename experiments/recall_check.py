@@ -15,11 +15,12 @@ spending GPU time on it (benchmarks/results/ablations/README.md).
 
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model
 from m2jax.data import single_document_batch
@@ -94,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

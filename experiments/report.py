@@ -6,9 +6,11 @@
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
+from experiments import cli
 from m2jax import report
+from m2jax.errors import MissingPathError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("sweep_dir", None, "Directory holding results.json.")
@@ -20,8 +22,8 @@ def main(argv):
   del argv
   path = os.path.join(FLAGS.sweep_dir, "results.json")
   if not os.path.exists(path):
-    raise SystemExit(f"no results.json in {FLAGS.sweep_dir}: run "
-                     "experiments.sweep first")
+    raise MissingPathError(f"no results.json in {FLAGS.sweep_dir}: run "
+                           "experiments.sweep first")
   with open(path, encoding="utf-8") as f:
     results = json.load(f)
   paths = report.write_report(results, FLAGS.out_dir or FLAGS.sweep_dir)
@@ -30,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

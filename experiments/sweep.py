@@ -7,8 +7,9 @@
 Rerunning the same command skips finished runs and resumes a killed one.
 """
 
-from absl import app, flags, logging
+from absl import flags, logging
 
+from experiments import cli
 from m2jax import config as config_lib
 from m2jax import report, sweep
 
@@ -33,6 +34,7 @@ flags.DEFINE_list("variants", [], "Arms of the grid to run (default: all).")
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
+cli.integer_lists("seeds", "eval_lengths")
 
 
 def main(argv):
@@ -56,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

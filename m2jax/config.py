@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from kernels import gmm as gmm_lib
+from m2jax.errors import UserError
 
 # Attention kinds for `attention_pattern`.
 FULL = "full"
@@ -35,8 +36,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 M2_ROUTER_AUX_LOSS_COEF = 0.001
 
 
-class ConfigError(ValueError):
-  """A config field holds a value outside its allowed range."""
+class ConfigError(UserError, ValueError):
+  """A config field (or the flag that sets it) holds a value outside its
+  allowed range, or a checkpoint was made with another config."""
 
 
 def _fail(field: str, rule: str, value) -> None:

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from m2jax.config import ModelConfig
 from m2jax import model
+from m2jax.errors import UserError
 from m2jax.model import expert_parallel
 
 AXES = ("data", "fsdp", "expert", "tensor")
@@ -68,7 +69,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
   """A mesh flag or a mesh that does not fit the devices, model or batch."""
 
 

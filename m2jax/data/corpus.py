@@ -45,6 +45,8 @@ import numpy as np
 
 from m2jax.config import ConfigError
 from m2jax.data.config import PACKAGES, STDLIB, DataConfig
+from m2jax.data.config import STDLIB, DataConfig
+from m2jax.errors import MissingPathError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Directory names never descended into in the stdlib.
@@ -203,11 +205,11 @@ def user_files(source: str) -> list[tuple[str, str]]:
     root = pathlib.Path(source).parent
     paths = [source]
   else:
-    raise FileNotFoundError(f"data source {source!r}: no such file, "
-                            "directory or glob match")
+    raise MissingPathError(f"data source {source!r}: no such file, "
+                           "directory or glob match")
   found = sorted((_key(p, root), p) for p in paths if os.path.getsize(p) > 0)
   if not found:
-    raise FileNotFoundError(f"data source {source!r} holds no non-empty files")
+    raise MissingPathError(f"data source {source!r} holds no non-empty files")
   return found
 
 

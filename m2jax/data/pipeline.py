@@ -114,8 +114,8 @@ def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
   if documents is None:
     documents = corpus.split_documents(config)[split]
   if not len(documents):  # pylint: disable=g-explicit-length-test
-    raise ValueError(f"the {split} split of {config.source!r} has no "
-                     "documents (see DataConfig.validation_fraction)")
+    raise ConfigError(f"the {split} split of {config.source!r} has no "
+                      "documents (see DataConfig.validation_fraction)")
   train = split == "train"
   docs = grain.MapDataset.source(documents)
   if train:

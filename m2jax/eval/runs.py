@@ -10,6 +10,7 @@ import jax
 from m2jax import model
 from m2jax.config import ModelConfig, config_from_dict
 from m2jax.data import DataConfig, make_tokenizer
+from m2jax.errors import MissingPathError
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -18,8 +19,8 @@ from m2jax.train.config import TrainConfig
 def load_configs(workdir: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is {workdir} a pretrain "
-                            "--workdir?")
+    raise MissingPathError(f"{path} not found: is {workdir} a pretrain "
+                           "--workdir?")
   with open(path, encoding="utf-8") as f:
     raw = json.load(f)
   return (config_from_dict(ModelConfig, raw["model"]),

@@ -33,6 +33,8 @@ import dataclasses
 import random
 import string
 
+from m2jax.config import ConfigError
+
 TASKS = ("niah_single", "niah_multikey", "niah_multiquery", "cwe",
          "variable_tracking", "icl_kv")
 
@@ -189,10 +191,10 @@ _GENERATORS = {
 def generate(task: str, length: int, seed: int) -> Example:
   """One example of `task` with a prompt of about `length` characters."""
   if task not in _GENERATORS:
-    raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
+    raise ConfigError(f"unknown task {task!r}; tasks: {TASKS}")
   if length < MIN_LENGTH:
-    raise ValueError(f"length must be >= {MIN_LENGTH} characters, got "
-                     f"{length}")
+    raise ConfigError(f"length must be >= {MIN_LENGTH} characters, got "
+                      f"{length}")
   prompt, answer = _GENERATORS[task](random.Random(f"{task}/{length}/{seed}"),
                                      length)
   return Example(task, length, prompt, answer)
@@ -208,7 +210,8 @@ def training_documents(n: int, lengths: list[int], seed: int = 0,
   """`n` documents over `lengths` (train seeds): prompt+answer of `tasks`,
   and a `drill_fraction` of them drills (alternating `DRILLS`)."""
   if not 0.0 <= drill_fraction < 1.0:
-    raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction}")
+    raise ConfigError(
+        f"drill_fraction must be in [0, 1), got {drill_fraction}")
   rng = random.Random(seed)
   drills = list(DRILLS.values())
   docs = []

@@ -46,6 +46,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from m2jax.config import DTYPES, ModelConfig
+from m2jax.errors import ExistingPathError, MissingPathError
 
 from m2jax.hf.files import (_FP8, _Reader, _fp8_block_size, _read_weight,
                             dequantize_fp8_blocks)
@@ -89,7 +90,7 @@ def load(path: str, *, dtype=None, **config_overrides):
   """
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{path}: no {CONFIG_FILE} (not a hub checkpoint)")
+    raise MissingPathError(f"{path}: no {CONFIG_FILE} (not a hub checkpoint)")
   with open(config_path) as f:
     hf = json.load(f)
   block = _fp8_block_size(hf)
@@ -196,7 +197,7 @@ def save(path: str, config: ModelConfig, variables, *,
   """
   path = os.path.abspath(path)
   if os.path.exists(path) and not overwrite:
-    raise FileExistsError(f"{path} exists (pass overwrite=True)")
+    raise ExistingPathError(f"{path} exists (pass overwrite=True)")
   hf = config_to_hf(config)
   embedding = variables[PARAMS]["embedding"]
   hf["dtype"] = hf["torch_dtype"] = _dtype_name(np.dtype(embedding.dtype))

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
+from m2jax.errors import MissingPathError
 from m2jax.hf.hub_config import (FP8_BLOCK, INDEX_FILE, SINGLE_FILE,
                                     CheckpointError)
 
@@ -43,7 +44,7 @@ class _Reader:
     elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
       weight_map, files = None, [SINGLE_FILE]
     else:
-      raise FileNotFoundError(
+      raise MissingPathError(
           f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     self._where: dict[str, tuple[str, np.dtype, tuple[int, ...], int]] = {}
     for name in files:

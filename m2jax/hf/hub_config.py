@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from m2jax.config import FULL, M2_ROUTER_AUX_LOSS_COEF, ModelConfig
+from m2jax.config import FULL, ModelConfig
+from m2jax.errors import UserError
 
 HUB_ARCHITECTURE = "MiniMaxM2ForCausalLM"
 HUB_MODEL_TYPE = "minimax_m2"
@@ -19,7 +21,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 << 30
 PARAMS, EXPERT_BIAS = "params", "expert_bias"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint or hub config that m2jax cannot read or write exactly."""
 
 

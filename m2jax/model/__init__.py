@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from m2jax.config import ModelConfig
+from m2jax.config import ConfigError, ModelConfig
 from m2jax.model.moe import (EXPERT_BIAS, Routing, RoutingStats, route,
                              update_expert_bias)
 from m2jax.model.transformer import ModelOutput, Transformer, shift_left
@@ -57,12 +57,12 @@ def logical_axes(config: ModelConfig) -> dict:
 
 def _check_mtp(config: ModelConfig, variables, mtp_depth: int):
   if not 0 <= mtp_depth <= config.num_mtp_modules:
-    raise ValueError(f"mtp_depth must be in [0, num_mtp_modules="
-                     f"{config.num_mtp_modules}], got {mtp_depth}")
+    raise ConfigError(f"mtp_depth must be in [0, num_mtp_modules="
+                      f"{config.num_mtp_modules}], got {mtp_depth}")
   missing = [k for k in range(mtp_depth)
              if f"mtp_{k}" not in variables.get("params", {})]
   if missing:
-    raise ValueError(
+    raise ConfigError(
         f"variables have no parameters for MTP modules {missing} (hub "
         "checkpoints ship none): initialise or grow them before asking for "
         "mtp_depth > 0")

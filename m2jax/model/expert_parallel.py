@@ -45,6 +45,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from m2jax.config import ConfigError
+
 # Mesh axes this module reads (m2jax.sharding builds meshes with them).
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -75,13 +77,13 @@ class Options:
 
   def __post_init__(self):
     if self.chunks < 1:
-      raise ValueError(f"Options.chunks: must be >= 1 (got {self.chunks!r})")
+      raise ConfigError(f"Options.chunks: must be >= 1 (got {self.chunks!r})")
     if self.capacity_factor < 0:
-      raise ValueError(f"Options.capacity_factor: must be >= 0 (got "
-                       f"{self.capacity_factor!r})")
+      raise ConfigError(f"Options.capacity_factor: must be >= 0 (got "
+                        f"{self.capacity_factor!r})")
     if self.all_to_all not in ALL_TO_ALL_IMPLS:
-      raise ValueError(f"Options.all_to_all: must be one of "
-                       f"{ALL_TO_ALL_IMPLS} (got {self.all_to_all!r})")
+      raise ConfigError(f"Options.all_to_all: must be one of "
+                        f"{ALL_TO_ALL_IMPLS} (got {self.all_to_all!r})")
 
 
 _local = threading.local()

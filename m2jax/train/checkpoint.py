@@ -2,10 +2,19 @@
 
 Layout: WORKDIR/checkpoints/<step>/{state, data, meta}. Orbax writes each
 step into a temporary directory and renames it when complete, so a crash
-never leaves a half-written step that looks finished. On restore the newest
-step that loads is used: a corrupt or partial newest step is reported and
-the previous complete one is taken. A checkpoint whose model config differs
-from the run's is refused with the differing field named.
+never leaves a half-written step that looks finished.
+
+Resuming tells the user's mistakes from damaged files, because only the
+second may move anything:
+  1. a step whose meta holds another model or data config than the run's, or
+     whose saved state has another tree (e.g. another optimizer), is refused
+     with the difference named (ConfigError) and nothing is touched. These
+     checks read JSON metadata only, before any state is restored;
+  2. a step that matches but fails to load (unreadable, corrupt or partial
+     files) is moved to WORKDIR/checkpoints_corrupt/ and the previous step
+     is tried;
+  3. if no step loads, or only quarantined steps are left, resuming is
+     refused (ResumeError) instead of starting again from step 0.
 """
 
 from __future__ import annotations
@@ -14,14 +23,21 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 
 from m2jax.config import ConfigError, config_to_dict
+from m2jax.errors import UserError
 
 log = logging.getLogger(__name__)
+
+CORRUPT_DIR = "checkpoints_corrupt"  # beside checkpoints/, in the workdir
+
+
+class ResumeError(UserError):
+  """A run asked to resume has checkpoints, but none that loads."""
 
 
 def write_json(path: str, obj) -> None:
@@ -32,15 +48,34 @@ def write_json(path: str, obj) -> None:
   os.replace(tmp, path)
 
 
-def check_same_config(saved: dict, config, what: str) -> None:
-  """Raise ConfigError naming the first field where `config` != `saved`."""
+def config_differences(saved: dict, config) -> list[tuple[str, Any, Any]]:
+  """(field, saved value, this config's value) wherever the two differ."""
   current = config_to_dict(config)
-  for field in sorted(set(saved) | set(current)):
-    if saved.get(field) != current.get(field):
-      raise ConfigError(
-          f"{type(config).__name__}.{field}: the checkpoint's {what} has "
-          f"{saved.get(field)!r} but this run has {current.get(field)!r}; "
-          "use a matching config or a fresh --workdir")
+  return [(field, saved.get(field), current.get(field))
+          for field in sorted(set(saved) | set(current))
+          if saved.get(field) != current.get(field)]
+
+
+def check_same_config(saved: dict, config, what: str) -> None:
+  """Raise ConfigError naming the first field where `config` != `saved`
+  (and how many others differ: another preset differs in many)."""
+  diffs = config_differences(saved, config)
+  if diffs:
+    (field, old, new), others = diffs[0], [d[0] for d in diffs[1:]]
+    also = f" ({', '.join(others)} differ too)" if others else ""
+    raise ConfigError(
+        f"{type(config).__name__}.{field}: {what} has {old!r} but this run "
+        f"has {new!r}{also}; resume with the run's config or use a fresh "
+        "--workdir")
+
+
+def _first_line(e: Exception) -> str:
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def _out_of_memory(e: Exception) -> bool:
+  """Failures that say nothing about the files (never quarantine for them)."""
+  return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
 
 
 class Checkpointer:
@@ -48,14 +83,33 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int):
     self.directory = os.path.abspath(directory)
+    self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
+                                          CORRUPT_DIR)
+    # Handlers named up front so that meta and the state's tree metadata can
+    # be read alone, before (and instead of) restoring a state.
     self._manager = ocp.CheckpointManager(
         self.directory,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=False,
             cleanup_tmp_directories=True))
+    # Orbax clears the unfinished steps of a killed run in a background
+    # thread: wait for it, or a run refused right after this (e.g. a resume
+    # with another config) exits under it and the thread prints a traceback.
+    # (orbax 0.12.8 has no public call for it; setup.cfg pins that version.)
+    # pylint: disable-next=protected-access
+    self._manager._maybe_await_cleanup_tmp_directory()
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
+
+  def quarantined(self) -> list[str]:
+    """Entries of checkpoints_corrupt/ ("<step>.<unix time>"), sorted."""
+    if not os.path.isdir(self.corrupt_directory):
+      return []
+    return sorted(os.listdir(self.corrupt_directory))
 
   def save(self, step: int, state, data_state: dict, meta: dict) -> None:
     self._manager.save(step, args=ocp.args.Composite(
@@ -64,34 +118,130 @@ class Checkpointer:
         meta=ocp.args.JsonSave(meta)), force=True)
     self._manager.wait_until_finished()
 
-  def restore_latest(self, abstract_state) -> tuple[int, Any, dict, dict] | None:
+  def check_resume(self, configs: Mapping[str, Any] | None = None) -> None:
+    """Refuse a resume that cannot work, reading JSON only, moving nothing.
+
+    `configs` maps meta keys to this run's configs (e.g. {"model": ...,
+    "data": ...}); every step whose meta reads must hold the same ones
+    (ConfigError naming the first differing field). A step whose meta does
+    not read is left for `restore_latest` to judge. With no step but
+    quarantined ones, resuming would silently start from step 0: ResumeError.
+    """
+    steps, quarantined = self.steps(), self.quarantined()
+    if not steps and quarantined:
+      raise ResumeError(
+          f"{self.directory} holds no checkpoint to resume, but "
+          f"{self.corrupt_directory} holds {len(quarantined)} that failed to "
+          f"load ({', '.join(quarantined)}); refusing to start again from "
+          "step 0. Inspect or repair them, or start over in a fresh "
+          "--workdir (or remove that directory)")
+    if not configs:
+      return
+    for step in reversed(steps):
+      meta = self._read_meta(step)
+      if meta is None:
+        continue  # unreadable: restore_latest quarantines it
+      for key, config in configs.items():
+        check_same_config(meta.get(key) or {}, config,
+                          f"checkpoint step {step} in {self.directory}")
+
+  def restore_latest(self, abstract_state, *,
+                     configs: Mapping[str, Any] | None = None,
+                     train_config=None) -> tuple[int, Any, dict, dict] | None:
     """(step, state, data_state, meta) of the newest step that loads.
 
-    Steps that fail to load are moved to ../checkpoints_corrupt/ (kept for
-    inspection, out of the way of the steps this run will save again).
+    None only when there is nothing to resume (no step, none quarantined).
+    First `check_resume(configs)`; then every step's saved state tree must
+    match `abstract_state`'s paths and shapes, or ConfigError names the
+    first difference (with the TrainConfig fields that differ from
+    `train_config`, the likely cause). Only then are states restored,
+    newest first; a step that fails is moved to checkpoints_corrupt/ (kept
+    for inspection, out of the way of the steps this run will save again).
+    If every step fails: ResumeError.
     """
-    for step in reversed(self.steps()):
+    self.check_resume(configs)
+    steps = self.steps()
+    if not steps:
+      return None
+    unreadable = {}
+    for step in reversed(steps):
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+        where = self._state_difference(step, abstract_state)
       except Exception as e:  # pylint: disable=broad-except
-        log.warning("checkpoint step %d in %s is unreadable (%s: %s); "
-                    "trying the previous one", step, self.directory,
-                    type(e).__name__, str(e).splitlines()[0][:200])
-        print(f"WARNING: checkpoint step {step} is corrupt or partial "
-              f"({type(e).__name__}); falling back to an earlier step")
-        self._quarantine(step)
+        unreadable[step] = e  # judged below, after every step was checked
         continue
-      return step, restored["state"], restored["data"], restored["meta"]
+      if where is not None:
+        raise ConfigError(
+            f"checkpoint step {step} in {self.directory} holds another train "
+            f"state than this run: {where}"
+            f"{self._train_hint(step, train_config)}; resume with the run's "
+            "config or use a fresh --workdir")
+    for step in reversed(steps):
+      error = unreadable.get(step)
+      if error is None:
+        try:
+          restored = self._manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(abstract_state),
+              data=ocp.args.JsonRestore(),
+              meta=ocp.args.JsonRestore()))
+          return step, restored["state"], restored["data"], restored["meta"]
+        except Exception as e:  # pylint: disable=broad-except
+          if _out_of_memory(e):
+            raise
+          error = e
+      log.warning("checkpoint step %d in %s is unreadable (%s); trying the "
+                  "previous one", step, self.directory, _first_line(error))
+      print(f"WARNING: checkpoint step {step} is corrupt or partial "
+            f"({_first_line(error)}); falling back to an earlier step")
+      self._quarantine(step)
+    raise ResumeError(
+        f"no checkpoint in {self.directory} loads: steps {steps} failed to "
+        f"load and were moved to {self.corrupt_directory}; refusing to start "
+        "again from step 0. Inspect or repair them, or start over in a fresh "
+        "--workdir (or remove that directory)")
+
+  def _read_meta(self, step: int) -> dict | None:
+    """The step's meta (configs), or None when it does not read."""
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  def _state_difference(self, step: int, abstract_state) -> str | None:
+    """Where the saved state's tree differs from `abstract_state` (a path
+    missing on one side, or another shape); None if it does not.
+
+    Reads the state's tree metadata only; raises if that does not read.
+    """
+    saved = ocp.tree.to_flat_dict(self._manager.item_metadata(step)["state"])
+    wanted = ocp.tree.to_flat_dict(abstract_state)
+    for path in sorted(set(saved) | set(wanted), key=str):
+      name = "/".join(map(str, path))
+      if path not in wanted:
+        return f"{name} is in the checkpoint, not in this run"
+      if path not in saved:
+        return f"{name} is in this run, not in the checkpoint"
+      if tuple(saved[path].shape) != tuple(wanted[path].shape):
+        return (f"{name} has shape {tuple(saved[path].shape)} in the "
+                f"checkpoint, {tuple(wanted[path].shape)} in this run")
     return None
 
+  def _train_hint(self, step: int, train_config) -> str:
+    """The TrainConfig fields that differ from the step's (the likely cause
+    of another state tree: e.g. the optimizer)."""
+    meta = self._read_meta(step) if train_config is not None else None
+    if not meta or "train" not in meta:
+      return ""
+    diffs = config_differences(meta["train"], train_config)
+    return "; the TrainConfig fields that differ: " + ", ".join(
+        f"{field} ({old!r} in the checkpoint, {new!r} here)"
+        for field, old, new in diffs) if diffs else ""
+
   def _quarantine(self, step: int) -> None:
-    corrupt = os.path.join(os.path.dirname(self.directory),
-                           "checkpoints_corrupt")
-    os.makedirs(corrupt, exist_ok=True)
-    target = os.path.join(corrupt, f"{step}.{int(time.time())}")
+    os.makedirs(self.corrupt_directory, exist_ok=True)
+    target = os.path.join(self.corrupt_directory,
+                          f"{step}.{int(time.time())}")
     os.rename(os.path.join(self.directory, str(step)), target)
     print(f"moved the unreadable step {step} to {target}")
     self._manager.reload()

@@ -32,7 +32,8 @@ from m2jax import params as params_lib
 from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import (DataConfig, make_dataset, make_iterator, make_tokenizer,
-                        next_stage_start)
+                        next_stage_start, split_documents)
+from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import step as step_lib
@@ -130,6 +131,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
+  split_documents(dcfg)  # a wrong data path fails here, before any work
   os.makedirs(workdir, exist_ok=True)
   tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
   if tokenizer.vocab_size > mcfg.vocab_size:
@@ -140,9 +142,13 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=tcfg.keep_checkpoints)
   if checkpointer.steps() and not resume:
-    raise FileExistsError(
+    raise ExistingPathError(
         f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "
         "--resume to continue it or choose another --workdir")
+  # Before any work: a checkpoint of another config is the user's mistake.
+  configs = {"model": mcfg, "data": dcfg}
+  if resume:
+    checkpointer.check_resume(configs)
 
   stages = _stages(mcfg, tcfg, dcfg)
   if mesh is not None:
@@ -151,14 +157,12 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   state = step_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
   data_state = None
   start = 0
-  if resume and checkpointer.steps():
-    restored = checkpointer.restore_latest(ckpt_lib.abstract(state))
-    if restored is None:
-      raise RuntimeError(f"no checkpoint in {checkpointer.directory} loads")
-    start, state, data_state, meta = restored
-    ckpt_lib.check_same_config(meta["model"], mcfg, "model config")
-    ckpt_lib.check_same_config(meta["data"], dcfg, "data config")
-    print(f"resumed from step {start} in {checkpointer.directory}")
+  if resume:
+    restored = checkpointer.restore_latest(
+        ckpt_lib.abstract(state), configs=configs, train_config=tcfg)
+    if restored is not None:  # None: nothing saved yet, start at step 0
+      start, state, data_state, _ = restored
+      print(f"resumed from step {start} in {checkpointer.directory}")
   meta = {"model": config_to_dict(mcfg), "train": config_to_dict(tcfg),
           "data": config_to_dict(dcfg)}
   if primary:
