@@ -103,6 +103,21 @@ def _device_batch(batch, mesh=None):
   return {k: np.asarray(v) for k, v in batch.items()}
 
 
+def _place_state(state, mcfg: ModelConfig, tcfg: TrainConfig, mesh=None):
+  """(`state` on device, its step) after checking it fits the configs."""
+  want = jax.eval_shape(lambda: step_lib.create_state(mcfg, tcfg))
+  if jax.tree.structure(state) != jax.tree.structure(want) or any(
+      np.shape(x) != w.shape
+      for x, w in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
+    raise ValueError("init_state does not have the layout of a train state "
+                     "for this model and train config")
+  step = int(np.asarray(state.step))
+  if mesh is None:
+    return jax.device_put(state), step
+  return sharding.place(state,
+                        sharding.state_shardings(mcfg, tcfg, mesh)), step
+
+
 class _NoWriter:
   """What processes other than 0 log to."""
 
@@ -117,13 +132,16 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              data_config: DataConfig, workdir: str, *, resume: bool = False,
              sample_prompt: str = "def ", sample_tokens: int = 64,
              stop_after: int | None = None, progress: bool = True,
-             init_variables=None, should_stop=None, mesh=None,
-             expert_options=None) -> dict:
+             init_variables=None, init_state=None, should_stop=None,
+             mesh=None, expert_options=None) -> dict:
   """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
 
   `stop_after` ends the loop early at that step (with a checkpoint);
   `init_variables` starts from given variables instead of a fresh init (MTP
-  growth); their buffers are donated to the first step.
+  growth); their buffers are donated to the first step. `init_state` (a
+  step_lib.TrainState for these configs, donated as well) starts from a
+  whole state instead, at its step, with its optimizer moments: one
+  schedule continued over several calls (MTP growth's phases).
   `should_stop(step, metrics)` is asked at every logged step; True saves a
   checkpoint and ends the run there (e.g. once a loss has settled).
   `mesh` shards the run (m2jax.sharding.make_mesh); `expert_options`
@@ -154,9 +172,14 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   if mesh is not None:
     for _, cfg in stages:
       sharding.check_mesh(mcfg, mesh, cfg.batch_size)
-  state = step_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
+  if init_state is None:
+    state = step_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
+    start = 0
+  else:
+    if init_variables is not None:
+      raise ValueError("pass init_variables or init_state, not both")
+    state, start = _place_state(init_state, mcfg, tcfg, mesh)
   data_state = None
-  start = 0
   if resume:
     restored = checkpointer.restore_latest(
         ckpt_lib.abstract(state), configs=configs, train_config=tcfg)

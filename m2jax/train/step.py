@@ -90,6 +90,12 @@ def variables_of(state: TrainState) -> dict:
 
 def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
              tcfg: TrainConfig):
+  if tcfg.mtp_only:
+    # The frozen main model enters as a constant, so autodiff emits no
+    # backward through its layers, embedding or head (not merely a zero
+    # one): of the trunk, the MTP-only phase pays the forward alone.
+    params = {k: jax.lax.stop_gradient(v) if is_frozen(tcfg, k) else v
+              for k, v in params.items()}
   out = model.forward(mcfg, _variables(params, expert_bias), batch["tokens"],
                       segment_ids=batch["segment_ids"],
                       positions=batch["positions"], mtp_depth=tcfg.mtp_depth)
