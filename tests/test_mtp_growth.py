@@ -228,8 +228,7 @@ def _moments(state):
   optimizer holds none for the frozen ones)."""
   mu = optax.tree_utils.tree_get(state.opt_state, "mu")
   nu = optax.tree_utils.tree_get(state.opt_state, "nu")
-  return {k: (mu[k], nu[k]) for k in mu
-          if not isinstance(mu[k], optax.MaskedNode)}
+  return {k: (mu[k], nu[k]) for k in mu if jax.tree.leaves(mu[k])}
 
 
 def _counts(state) -> list[int]:
@@ -237,9 +236,9 @@ def _counts(state) -> list[int]:
       state.opt_state, "count")]
 
 
-def _trained(tcfg, variables, step, seed):
+def _trained(mcfg, tcfg, variables, step, seed):
   """A state as if trained `step` steps: random moments, counts = step."""
-  state = step_lib.init_state(tcfg, variables)
+  state = step_lib.init_state(mcfg, tcfg, variables)
   rng = np.random.default_rng(seed)
   opt_state = jax.tree.map(
       lambda x: (np.full(x.shape, step, x.dtype) if x.ndim == 0 else
@@ -254,12 +253,12 @@ def test_carry_state_keeps_moments_and_the_step_count():
   base_tc = schedule.replace(mtp_depth=1)
   mtp_only_tc = schedule.replace(mtp_depth=3, mtp_only=True)
   joint_tc = schedule.replace(mtp_depth=3)
-  base = _trained(base_tc, _random_variables(MCFG), 7, seed=1)
-  _, grown = mtp_growth.grow_mtp(MCFG, step_lib.variables_of(base), 3)
+  base = _trained(MCFG, base_tc, _random_variables(MCFG), 7, seed=1)
+  grown_cfg, grown = mtp_growth.grow_mtp(MCFG, step_lib.variables_of(base), 3)
 
   # Growth -> MTP only: the step count goes on (no second warm-up); module
   # 1 keeps its moments, the new modules start at zero.
-  start_a = mtp_growth.carry_state(mtp_only_tc, grown, (base_tc, base))
+  start_a = mtp_growth.carry_state(grown_cfg, mtp_only_tc, grown, (base_tc, base))
   assert int(start_a.step) == 7 and set(_counts(start_a)) == {7}
   moments = _moments(start_a)
   assert sorted(moments) == ["mtp_0", "mtp_1", "mtp_2"]
@@ -269,8 +268,8 @@ def test_carry_state_keeps_moments_and_the_step_count():
 
   # MTP only -> joint: the main model's moments come back as the base run
   # left them (frozen in between), MTP's are the MTP-only phase's.
-  end_a = _trained(mtp_only_tc, grown, 9, seed=2)
-  start_b = mtp_growth.carry_state(joint_tc, grown, (mtp_only_tc, end_a),
+  end_a = _trained(grown_cfg, mtp_only_tc, grown, 9, seed=2)
+  start_b = mtp_growth.carry_state(grown_cfg, joint_tc, grown, (mtp_only_tc, end_a),
                                    (base_tc, base))
   assert int(start_b.step) == 9 and set(_counts(start_b)) == {9}
   moments, before, mtp = _moments(start_b), _moments(base), _moments(end_a)
@@ -280,7 +279,7 @@ def test_carry_state_keeps_moments_and_the_step_count():
                         else before[name]), name
   # The carried state is one the joint train step takes as it is.
   assert jax.tree.structure(start_b) == jax.tree.structure(
-      step_lib.init_state(joint_tc, grown))
+      step_lib.init_state(grown_cfg, joint_tc, grown))
 
 
 def _corpus(tmp_path):
@@ -346,11 +345,14 @@ def test_experiment_continues_one_schedule_and_runs_both_arms(
     np.testing.assert_allclose(
         [l["mtp/weight"] for l in lines[name]],
         [schedules.mtp_weight(schedule, s) for s in steps], rtol=1e-6)
-  first = lines["copy/mtp_only"][0]  # step 3, 1/5 into the decay
+  # Step 3 is the decay's 2nd of 5 steps (the last, step 6, is at the floor).
+  first = lines["copy/mtp_only"][0]
   np.testing.assert_allclose([first["lr"], first["mtp/weight"]],
-                             [1e-2 * (1 - 0.9 / 5), 0.3 - 0.2 / 5], rtol=1e-6)
+                             [1e-2 * (1 - 0.9 * 2 / 5), 0.3 - 0.2 * 2 / 5],
+                             rtol=1e-6)
   assert results["schedule"]["growth"] == {
-      "step": 3, "lr": first["lr"], "mtp_weight": first["mtp/weight"]}
+      "step": 3, "lr": pytest.approx(first["lr"], rel=1e-6),
+      "mtp_weight": pytest.approx(first["mtp/weight"], rel=1e-6)}
   # Moments: the main model's at the start of the joint phase are those
   # at the end of the MTP-only phase (which kept them frozen) = the base
   # run's last; MTP's continue from the MTP-only phase.

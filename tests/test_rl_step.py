@@ -109,7 +109,7 @@ def test_train_step_over_rows_equals_one_batch():
                                    train_config=tcfg, config=RL))
   results = []
   for rows in (1, None):
-    state = train_lib.init_state(tcfg, variables)
+    state = train_lib.init_state(CFG, tcfg, variables)
     batches = rl_step.stack_batches(rl_step.make_batches(
         trees, groups, RL, rows_per_batch=rows))
     results.append(step(state, batches))

@@ -196,7 +196,10 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   train_it = _stage_iterator(stages, stage, tokenizer, data_state)
   train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh,
                                          expert_options=expert_options)
-  writer = (MetricsWriter(workdir, resume_step=start if resume else None)
+  # A resume that found no checkpoint starts over: its metrics too (the
+  # step-0 eval line would otherwise be written twice).
+  resumed = resume and start > 0
+  writer = (MetricsWriter(workdir, resume_step=start if resumed else None)
             if primary else _NoWriter())
   flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
   peak = peak_flops()

@@ -189,11 +189,11 @@ def _is_masked(x) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def carry_state(train_config: TrainConfig, variables,
-                *sources) -> step_lib.TrainState:
+def carry_state(model_config: ModelConfig, train_config: TrainConfig,
+                variables, *sources) -> step_lib.TrainState:
   """The train state that continues `sources` under `train_config`.
 
-  `variables`: the model's variables for the new phase (grown or trained).
+  `model_config`, `variables`: the model and its variables for the new phase (grown or trained).
   `sources`: (TrainConfig, TrainState) of earlier phases, newest first; the
   new state takes the newest one's step. Each optimizer-state leaf (a
   parameter's moment, or a step count) comes from the first source holding
@@ -209,7 +209,7 @@ def carry_state(train_config: TrainConfig, variables,
         _joint_layout(src_config, src.opt_state), is_leaf=_is_masked)
     held.update({jax.tree_util.keystr(path): leaf for path, leaf in flat
                  if not _is_masked(leaf)})
-  fresh = step_lib.init_state(train_config, variables)
+  fresh = step_lib.init_state(model_config, train_config, variables)
 
   def take(path, leaf):
     if _is_masked(leaf):
@@ -356,14 +356,15 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
     plateau = copy.deepcopy(settle)
     phase_a = train(
         cfg, mtp_only_tc, os.path.join(init, "mtp_only"),
-        init_state=carry_state(mtp_only_tc, variables, (base_tc, base_state)),
+        init_state=carry_state(cfg, mtp_only_tc, variables,
+                               (base_tc, base_state)),
         stop_after=base_steps + mtp_only_max_steps,
         should_stop=lambda step, m, p=plateau: p.update(float(m["mtp/ce"])))
     end_a = _host(phase_a["state"])
     settled_at = int(end_a.step)
     joint = train(cfg, joint_tc, os.path.join(init, "joint"),
                   init_state=carry_state(
-                      joint_tc, step_lib.variables_of(end_a),
+                      cfg, joint_tc, step_lib.variables_of(end_a),
                       (mtp_only_tc, end_a), (base_tc, base_state)))
     frozen = train(cfg, mtp_only_tc, os.path.join(init, "mtp_only_to_end"),
                    init_state=end_a)
