@@ -44,6 +44,7 @@ from m2jax import params as params_lib
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
 from m2jax.rl import step as rl_step
+from m2jax.settings import Settings
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/prefix_tree_h100.json",
                            "JSON results")
@@ -267,9 +268,12 @@ def _agent_samples(rng, vocab):
   return seqs, masks, group_ids
 
 
-def _model_config():
-  cfg = config_lib.get_preset(_CONFIG.value).replace(num_mtp_modules=0)
-  if _FFN.value == "dense":
+def _model_config(ffn: str, settings: Settings):
+  """The --config preset without MTP, `ffn` "moe" or "dense" (of the MoE's
+  active width), run with `settings`."""
+  cfg = config_lib.get_preset(_CONFIG.value).replace(num_mtp_modules=0,
+                                                     settings=settings)
+  if ffn == "dense":
     cfg = cfg.replace(ffn_type="dense", dense_intermediate_size=(
         cfg.num_experts_per_tok * cfg.moe_intermediate_size))
   return cfg
@@ -305,8 +309,9 @@ def _time_layout(step, params, bias, batches):
   return seconds, loss
 
 
-def _time_model(results, remat=False):
-  cfg = _model_config().replace(remat=remat)
+def _time_model(results, settings: Settings, ffn: str):
+  cfg = _model_config(ffn, settings)
+  remat = settings.remat
   rng = np.random.default_rng(0)
   variables = model.init(cfg, jax.random.key(0))
   params, bias = variables["params"], variables.get(model.EXPERT_BIAS, {})
@@ -395,6 +400,8 @@ def main(argv):
              "jax": jax.__version__,
              "flags": {n: flags.FLAGS[n].value for n in names}}
   print("device:", results["device"], flush=True)
+  # How the model step runs; the attention section picks its tiles.
+  settings = Settings(interpret=_INTERPRET.value)
   if "attention" in _SECTIONS.value:
     failed = set(_TILES.value)
     try:
@@ -404,10 +411,11 @@ def main(argv):
     try:
       rows = _time_attention(results, failed)
       best = _best_tiles(rows, failed)
-      # The model step runs the default TreeAttentionConfig (tree attention
-      # reads no global); `best` is what its run settings should carry.
-      _record(results, "best_tiles", best)
-      print("fastest tiles that passed the device check:", best)
+      # The model step runs the fastest tiles that passed the check.
+      settings = settings.replace(
+          tree_attention=ta.TreeAttentionConfig.from_string(best))
+      _record(results, "model_tiles", best)
+      print("tiles for the model step:", best)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
   if "kernels" in _SECTIONS.value:
@@ -417,13 +425,12 @@ def main(argv):
       traceback.print_exc()
   if "model" in _SECTIONS.value:
     try:
-      _time_model(results)
+      _time_model(results, settings, _FFN.value)
     except Exception:  # pylint: disable=broad-except
       traceback.print_exc()
       print("retrying the model step with a dense FFN of equal width and "
             "remat", flush=True)
-      flags.FLAGS.ffn = "dense"
-      _time_model(results, remat=True)
+      _time_model(results, settings.replace(remat=True), "dense")
     stats = jax.devices()[0].memory_stats() or {}
     _record(results, "peak_bytes_in_use", stats.get("peak_bytes_in_use"))
   print(json.dumps({k: v for k, v in results.items() if k != "attention"},

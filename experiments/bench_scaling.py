@@ -20,7 +20,7 @@ one device (a small model, ragged_all_to_all, float32 and bf16 Pallas
 kernels), and one ragged all-to-all of a layer's rows timed alone.
 """
 
-import dataclasses
+import functools
 import json
 import os
 import time
@@ -36,7 +36,8 @@ from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
 from m2jax.data import single_document_batch
-from m2jax.model import expert_parallel
+from m2jax.settings import Settings
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import peak_flops
@@ -48,7 +49,7 @@ flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
 flags.DEFINE_list("compare", ["data"], "Extra layouts at the largest count "
                   "(data: experts replicated, pure data parallel).")
 flags.DEFINE_list("all_to_all", ["ragged"], "Exchange implementations "
-                  "(expert_parallel.Options.all_to_all): the first for every "
+                  "(Settings.all_to_all): the first for every "
                   "count, the others again at the largest count.")
 flags.DEFINE_integer("chunks", 2, "Also run the largest count with each "
                      "device's tokens split into this many exchanges (0: no).")
@@ -97,29 +98,29 @@ def _batch(rows, seq_len, vocab, seed):
   return single_document_batch(rng.integers(0, vocab, (rows, seq_len)))
 
 
-def _prepare(run, mcfg, tcfg, opts):
+def _prepare(run, mcfg, tcfg):
   """Compile the init and train step of one run (called in a thread)."""
   t = time.time()
   devices = jax.devices()[:run["n"]]
   mesh = sharding.make_mesh(run["mesh"], devices) if run["mesh"] else None
   rows = run["n"] * FLAGS.batch_per_gpu
-  init = lambda key: step_lib.init_state(mcfg, tcfg, model.init(mcfg, key))
+  init = lambda key: state_lib.init_state(mcfg, tcfg, model.init(mcfg, key))
   key = jax.random.key(tcfg.seed)
   abstract = jax.eval_shape(init, key)
   batch = {k: jax.ShapeDtypeStruct((rows, FLAGS.seq_len), jnp.int32)
            for k in ("tokens", "segment_ids", "positions")}
   batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
-  opts = dataclasses.replace(
-      opts, chunks=run.get("chunks", 1),
-      all_to_all=run.get("all_to_all", FLAGS.all_to_all[0]))
-  train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh, expert_options=opts)
+  mcfg = mcfg.replace(settings=mcfg.settings.replace(
+      exchange_chunks=run.get("chunks", 1),
+      all_to_all=run.get("all_to_all", FLAGS.all_to_all[0])))
+  train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   if mesh is None:
     dev = jax.sharding.SingleDeviceSharding(devices[0])
     shard = lambda tree: jax.tree.map(lambda _: dev, tree)
     init_c = jax.jit(init, out_shardings=shard(abstract))
   else:
     sharding.check_mesh(mcfg, mesh, rows)
-    state_sh = sharding.state_shardings(mcfg, tcfg, mesh)
+    state_sh = state_lib.state_shardings(mcfg, tcfg, mesh)
     init_c = jax.jit(init, out_shardings=state_sh)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -176,22 +177,23 @@ def _check_exchange(n, impl):
                                           hidden_size=256,
                                           moe_intermediate_size=256))):
     cfg = config_lib.TINY.replace(num_layers=1, num_experts=8,
-                                  attention_impl="xla", **over)
+                                  settings=Settings(attention="xla"), **over)
     variables = model.init(cfg, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(
         0, cfg.vocab_size, (2 * n, 64), dtype=np.int32))
 
-    def loss_fn(v, t):
-      out_ = model.forward(cfg, v, t, mtp_depth=1)
+    def loss_fn(c, v, t):
+      out_ = model.forward(c, v, t, mtp_depth=1)
       return (out_.logits.astype(jnp.float32) ** 2).mean(), out_.routing.load_E
 
-    fn = lambda: jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-    (ref, ref_load), ref_g = fn()(variables, tokens)
+    fn = lambda c: jax.jit(jax.value_and_grad(
+        functools.partial(loss_fn, c), has_aux=True))
+    (ref, ref_load), ref_g = fn(cfg)(variables, tokens)
     mesh = sharding.make_mesh(f"expert={n}", jax.devices()[:n])
     placed = sharding.place(variables, sharding.variable_shardings(cfg, mesh))
-    with sharding.use_mesh(mesh, expert_options=expert_parallel.Options(
-        all_to_all=impl)):
-      (got, load), g = fn()(placed, sharding.shard_batch(
+    sharded_cfg = cfg.replace(settings=cfg.settings.replace(all_to_all=impl))
+    with sharding.use_mesh(mesh):
+      (got, load), g = fn(sharded_cfg)(placed, sharding.shard_batch(
           {"t": tokens}, mesh)["t"])
     rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32))
                     / (jnp.linalg.norm(a.astype(jnp.float32)) + 1e-30))
@@ -205,11 +207,11 @@ def _check_exchange(n, impl):
 
 def main(argv):
   del argv
-  mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
-                                    FLAGS.override)
+  mcfg = config_lib.apply_overrides(
+      config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
+          settings=Settings(capacity_factor=FLAGS.capacity_factor))
   tcfg = TrainConfig(steps=1000, warmup_steps=10, mtp_depth=1,
                      learning_rate=3e-4)
-  opts = expert_parallel.Options(capacity_factor=FLAGS.capacity_factor)
   runs = _runs()
   dev = jax.devices()[0]
   result = dict(
@@ -231,7 +233,7 @@ def main(argv):
       rec["error"] = "skipped: --time_budget_s spent"
     else:
       try:
-        prep = _prepare(r, mcfg, tcfg, opts)
+        prep = _prepare(r, mcfg, tcfg)
         rec.update(compile_s=prep["compile_s"], temp_gib=prep["temp_gib"],
                    args_gib=prep["args_gib"])
         print(f"{r['name']}: compiled in {prep['compile_s']} s", flush=True)

@@ -24,7 +24,9 @@ from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, params
 from m2jax.data import single_document_batch
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
+from m2jax.settings import Settings
 from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import peak_flops
 
@@ -54,10 +56,11 @@ def _dense_matmul_tflops(n=8192, reps=20) -> float:
 
 def bench(backend: str) -> dict:
   mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
-                                    FLAGS.override + [f"gmm_backend={backend}"])
+                                    FLAGS.override).replace(
+                                        settings=Settings(gmm_backend=backend))
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
   t = time.perf_counter()
-  state = step_lib.init_state(mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
+  state = state_lib.init_state(mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
   train, _ = step_lib.jit_steps(mcfg, tcfg)
   print(f"{backend}: init {time.perf_counter() - t:.1f} s", flush=True)
   B, T = FLAGS.batch_size, FLAGS.seq_len

@@ -12,6 +12,7 @@ from absl import flags, logging
 from experiments import cli
 from m2jax.eval import TASKS, evaluate_tasks
 from m2jax.eval.runs import load_run
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import evaluate
@@ -34,7 +35,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   mcfg, dcfg, tokenizer, variables, step = load_run(FLAGS.workdir)
   _, eval_fn = step_lib.jit_steps(mcfg, TrainConfig(steps=1))
-  state = step_lib.TrainState(step, variables["params"], None,
+  state = state_lib.TrainState(step, variables["params"], None,
                               variables.get("expert_bias", {}))
   result = {"workdir": FLAGS.workdir, "step": step,
             **evaluate(eval_fn, state, dcfg, tokenizer, FLAGS.val_batches)}

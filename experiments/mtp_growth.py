@@ -21,9 +21,8 @@ import os
 
 from absl import flags, logging
 
-from experiments import cli
+from experiments import cli, run_flags
 from m2jax import config as config_lib
-from m2jax import sharding
 from m2jax.data import DataConfig
 from m2jax.train import mtp_growth
 
@@ -52,15 +51,16 @@ flags.DEFINE_float("settle_tol", 0.01, "Relative EMA improvement that counts "
                    "as settled.")
 flags.DEFINE_integer("seed", 0, "Seed.")
 
-sharding.define_flags()  # --mesh, --moe_capacity_factor, multi-host
+run_flags.define()  # --mesh, the Settings flags, multi-host
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  mesh, expert_options = sharding.from_flags()
+  mesh, settings = run_flags.from_flags()
   model_config = config_lib.apply_overrides(
-      config_lib.get_preset(FLAGS.preset), FLAGS.override)
+      config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
+          settings=settings)
   data_config = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
                            batch_size=FLAGS.batch_size, seed=FLAGS.seed)
   results = mtp_growth.run_experiment(
@@ -70,7 +70,7 @@ def main(argv):
       learning_rate=FLAGS.learning_rate, decay_fraction=FLAGS.decay_fraction,
       warmup_steps=FLAGS.warmup_steps,
       settle=mtp_growth.Plateau(FLAGS.settle_window, FLAGS.settle_tol),
-      seed=FLAGS.seed, mesh=mesh, expert_options=expert_options)
+      seed=FLAGS.seed, mesh=mesh)
   path = os.path.join(FLAGS.workdir, "mtp_growth.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=2)

@@ -3,7 +3,7 @@
   python -m experiments.pretrain --preset=tiny --steps=300 --workdir=runs/tiny
   python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
   python -m experiments.pretrain --preset=m2_small --data=/path/*.jsonl \
-      --seq_len=2048 --batch_size=16 --override=gmm_backend=mosaic
+      --seq_len=2048 --batch_size=16 --gmm_backend=mosaic
   python -m experiments.pretrain --preset=m2_small --mesh=expert=4 \
       --seq_len=2048 --batch_size=32          # 4 GPUs, expert parallel
   python -m experiments.pretrain --preset=m2_small --seq_len=8192 \
@@ -17,9 +17,8 @@ import json
 
 from absl import flags, logging
 
-from experiments import cli
+from experiments import cli, run_flags
 from m2jax import config as config_lib
-from m2jax import sharding
 from m2jax.data import DataConfig
 from m2jax.train.config import TrainConfig, parse_context_schedule
 from m2jax.train.loop import pretrain
@@ -72,15 +71,16 @@ flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
 flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
 flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 
-sharding.define_flags()  # --mesh, --moe_capacity_factor, multi-host
+run_flags.define()  # --mesh, the Settings flags, multi-host
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
-  mesh, expert_options = sharding.from_flags()
+  mesh, settings = run_flags.from_flags()
   model_config = config_lib.apply_overrides(
-      config_lib.get_preset(FLAGS.preset), FLAGS.override)
+      config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
+          settings=settings)
   data_config = DataConfig(
       source=FLAGS.data, documents=FLAGS.documents,
       context_documents=FLAGS.context_documents, tokenizer=FLAGS.tokenizer,
@@ -100,7 +100,7 @@ def main(argv):
       keep_checkpoints=FLAGS.keep_checkpoints)
   summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,
                      resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens,
-                     mesh=mesh, expert_options=expert_options)
+                     mesh=mesh)
   sample = summary.pop("sample", None)
   summary.pop("state", None)
   summary.pop("metrics", None)  # every logged step is in metrics.jsonl

@@ -24,6 +24,7 @@ from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model
 from m2jax.data import single_document_batch
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 
@@ -77,7 +78,7 @@ def main(argv):
   tcfg = TrainConfig(steps=FLAGS.steps, learning_rate=FLAGS.learning_rate,
                      warmup_steps=min(20, FLAGS.steps), mtp_depth=0,
                      seed=FLAGS.seed)
-  state = step_lib.init_state(mcfg, tcfg, model.init(
+  state = state_lib.init_state(mcfg, tcfg, model.init(
       mcfg, jax.random.key(FLAGS.seed)))
   train, _ = step_lib.jit_steps(mcfg, tcfg)
   rng = np.random.default_rng(FLAGS.seed)
@@ -88,7 +89,7 @@ def main(argv):
     state, metrics = train(state, recall_batch(rng, FLAGS.batch_size,
                                                FLAGS.pairs)[0])
     if (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
-      acc = recall_accuracy(mcfg, step_lib.variables_of(state), *held_out)
+      acc = recall_accuracy(mcfg, state_lib.variables_of(state), *held_out)
       print(f"step {i + 1}: loss {float(metrics['loss']):.3f}, recall "
             f"accuracy {acc:.3f} (chance 0.100), {time.time() - start:.0f} s",
             flush=True)

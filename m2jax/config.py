@@ -4,7 +4,9 @@
 computation, plus the ablation knobs the paper argues about (sliding-window vs
 full attention, sigmoid vs softmax gating, routing bias, fine vs coarse experts,
 dense FFN, MTP depth). It validates itself at construction and names the field
-that is wrong.
+that is wrong. How a step runs (kernels and their tiles, the expert exchange,
+remat) is not part of the model: it is the `settings` field, an
+m2jax.settings.Settings, which saved configs leave out.
 
 Presets:
   minimax_m2  exactly the public hub config (228.7B params, 9.8B active).
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels import gmm as gmm_lib
 from m2jax.errors import UserError
+from m2jax.settings import Settings
 
 # Attention kinds for `attention_pattern`.
 FULL = "full"
@@ -25,9 +27,6 @@ SLIDING = "sliding"
 ATTENTION_KINDS = (FULL, SLIDING)
 GATINGS = ("sigmoid", "softmax")
 FFN_TYPES = ("moe", "dense")
-# "pallas_interpret": tree-layout full attention through the Pallas tree
-# kernel in interpret mode (CPU tests of the kernel path), else "xla".
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas_interpret")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -93,7 +92,6 @@ class ModelConfig:
   # Sequence-wise load-balancing loss coefficient (0 = off; hub:
   # router_aux_loss_coef), on top of the bias (m2jax.train.losses).
   aux_loss_coef: float = M2_ROUTER_AUX_LOSS_COEF
-  gmm_backend: str = "auto"  # a kernels.gmm backend (gmm_lib.BACKENDS)
 
   # Multi-token prediction (hub: num_mtp_modules, mtp_transformer_layers).
   num_mtp_modules: int = 3
@@ -102,10 +100,12 @@ class ModelConfig:
   # Numerics. Router and norms always run in float32.
   param_dtype: str = "float32"
   compute_dtype: str = "bfloat16"
-  attention_impl: str = "auto"
-  # Rematerialise each block in the backward pass (saves activation memory).
-  remat: bool = False
   initializer_range: float = 0.02
+
+  # How a step runs (kernels, tiles, expert exchange, remat): never what it
+  # computes, so never saved with the model (config_to_dict leaves it out).
+  settings: Settings = dataclasses.field(default=Settings(),
+                                         metadata={"saved": False})
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -163,10 +163,6 @@ class ModelConfig:
     if self.routed_scaling_factor <= 0:
       _fail("routed_scaling_factor", "must be positive",
             self.routed_scaling_factor)
-    try:
-      gmm_lib.check_backend(self.gmm_backend)
-    except ValueError as e:
-      raise ConfigError(f"ModelConfig.gmm_backend: {e}") from None
     if self.num_mtp_modules < 0:
       _fail("num_mtp_modules", "must be >= 0", self.num_mtp_modules)
     if self.mtp_transformer_layers < 1:
@@ -175,9 +171,8 @@ class ModelConfig:
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in DTYPES:
         _fail(name, f"must be one of {DTYPES}", getattr(self, name))
-    if self.attention_impl not in ATTENTION_IMPLS:
-      _fail("attention_impl", f"must be one of {ATTENTION_IMPLS}",
-            self.attention_impl)
+    if not isinstance(self.settings, Settings):
+      _fail("settings", "must be an m2jax.settings.Settings", self.settings)
 
   # Derived quantities.
   def layer_attention(self, layer: int) -> str:
@@ -260,14 +255,29 @@ def _from_json(x):
   return tuple(_from_json(v) for v in x) if isinstance(x, list) else x
 
 
+def _saved_fields(config_or_cls):
+  return [f for f in dataclasses.fields(config_or_cls)
+          if f.metadata.get("saved", True)]
+
+
 def config_to_dict(config) -> dict:
-  """A JSON-ready dict of a frozen config dataclass (tuples become lists)."""
+  """A JSON-ready dict of a frozen config dataclass (tuples become lists).
+
+  Fields marked `saved=False` (ModelConfig.settings: how a step runs) are
+  left out: a saved config says what the model is.
+  """
   return {f.name: _to_json(getattr(config, f.name))
-          for f in dataclasses.fields(config)}
+          for f in _saved_fields(config)}
 
 
 def config_from_dict(cls, d: dict):
-  """The inverse of config_to_dict (lists become tuples, validated again)."""
+  """The inverse of config_to_dict (lists become tuples, validated again);
+  unsaved fields take their defaults."""
+  known = {f.name for f in _saved_fields(cls)}
+  unknown = sorted(set(d) - known)
+  if unknown:
+    raise ConfigError(f"{cls.__name__}: unknown fields {unknown} in a saved "
+                      f"config (known: {sorted(known)})")
   return cls(**{k: _from_json(v) for k, v in d.items()})
 
 
@@ -296,7 +306,7 @@ def apply_overrides(config, overrides) -> object:
   Works for any of m2jax's frozen config dataclasses, e.g.
   apply_overrides(TINY, ["num_layers=4", "attention_pattern=sliding,full"]).
   """
-  fields = {f.name: f for f in dataclasses.fields(config)}
+  fields = {f.name: f for f in _saved_fields(config)}
   changes = {}
   for item in overrides or ():
     name, sep, text = item.partition("=")

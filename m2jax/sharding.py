@@ -13,7 +13,11 @@ One mesh over four named axes, any of them of size 1:
   mesh = make_mesh("data=2,fsdp=2,expert=2,tensor=1")   # 8 devices
   with use_mesh(mesh):            # traced model code sees mesh and rules
     ...
-  state = place(state, state_shardings(model_config, train_config, mesh))
+  variables = place(variables, variable_shardings(model_config, mesh))
+
+The train state's shardings (optimizer moments follow their parameters) are
+m2jax.train.state.state_shardings; the command-line flags that build a mesh
+are experiments/run_flags.py.
 
 `LOGICAL_RULES` is the single table from the model's logical axis names
 (m2jax.model.layers) to mesh axes. The expert bias is replicated: every
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 
 import flax.linen as nn
@@ -35,10 +38,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from m2jax.config import ModelConfig
 from m2jax import model
+from m2jax.config import ModelConfig
 from m2jax.errors import UserError
-from m2jax.model import expert_parallel
 
 AXES = ("data", "fsdp", "expert", "tensor")
 # Axes the batch (and every token-indexed activation) is split over.
@@ -145,22 +147,21 @@ def check_mesh(config: ModelConfig, mesh, batch_size: int | None = None):
 
 
 @contextlib.contextmanager
-def use_mesh(mesh, rules=LOGICAL_RULES,
-             expert_options: expert_parallel.Options | None = None):
+def use_mesh(mesh, rules=LOGICAL_RULES):
   """Trace model code against `mesh`: logical constraints and the
-  expert-parallel MoE apply inside. Enter it around calls of jitted
-  functions (tracing happens at the first call)."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), \
-      expert_parallel.options(expert_options):
+  expert-parallel MoE apply inside (how it exchanges tokens is the model
+  config's `settings`). Enter it around calls of jitted functions (tracing
+  happens at the first call)."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
 
 
 class on_mesh:  # pylint: disable=invalid-name
   """A jitted function whose calls (and `.lower`) run under `use_mesh`."""
 
-  def __init__(self, jitted, mesh, expert_options=None, rules=LOGICAL_RULES):
+  def __init__(self, jitted, mesh, rules=LOGICAL_RULES):
     self.jitted, self.mesh = jitted, mesh
-    self._ctx = lambda: use_mesh(mesh, rules, expert_options)
+    self._ctx = lambda: use_mesh(mesh, rules)
 
   def __call__(self, *args, **kwargs):
     with self._ctx():
@@ -207,28 +208,6 @@ def variable_shardings(config: ModelConfig, mesh, rules=LOGICAL_RULES):
       one, specs, shapes, is_leaf=lambda x: isinstance(x, P) or x is None)
 
 
-def state_shardings(model_config: ModelConfig, train_config, mesh,
-                    rules=LOGICAL_RULES):
-  """A TrainState of NamedShardings: optimizer moments follow their params."""
-  # pylint: disable=import-outside-toplevel
-  import optax
-  from m2jax.train import step as step_lib
-  var = variable_shardings(model_config, mesh, rules)
-  params = jax.eval_shape(lambda: model.init(model_config,
-                                             jax.random.key(0)))["params"]
-  opt = step_lib.optimizer(model_config, train_config)
-  opt_shapes = jax.eval_shape(opt.init, params)
-  # Partitioned optimizers (Muon + AdamW) hold each family's moments with
-  # optax.MaskedNode where the other family's parameters are: keep those.
-  masked = lambda x: isinstance(x, optax.MaskedNode)
-  opt_sh = optax.tree_map_params(
-      opt, lambda x, s: x if masked(x) else s, opt_shapes, var["params"],
-      transform_non_params=lambda _: replicated(mesh),
-      is_leaf=lambda x: isinstance(x, NamedSharding) or masked(x))
-  return step_lib.TrainState(replicated(mesh), var["params"], opt_sh,
-                             var.get(model.EXPERT_BIAS, {}))
-
-
 def place(tree, shardings):
   """`tree` (host or device arrays) moved onto `shardings`."""
   return jax.tree.map(_place_one, tree, shardings)
@@ -268,70 +247,3 @@ def initialize_distributed(coordinator_address: str | None = None,
                     "(auto-detect)")
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              local_device_ids=local_device_ids)
-
-
-# Flags shared by every training script -----------------------------------
-
-
-def define_flags() -> None:
-  """Define --mesh, the expert-parallel and the multi-host flags (absl)."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  flags.DEFINE_string(
-      "mesh", "", "Device mesh AXIS=SIZE,... over data, fsdp, expert, tensor "
-      "(e.g. data=2,fsdp=2,expert=2,tensor=1; sizes multiply to the number "
-      "of devices of all hosts). Empty: no mesh (one device).")
-  flags.DEFINE_float(
-      "moe_capacity_factor", 0.0, "Expert-parallel receive buffer in "
-      "multiples of a device's average rows (T*K); 0 = the worst case, so "
-      "no token is ever dropped (moe/dropped counts drops otherwise).")
-  flags.DEFINE_enum("all_to_all", "auto", list(expert_parallel.ALL_TO_ALL_IMPLS),
-                    "Expert-parallel exchange: ragged_all_to_all, its dense "
-                    "emulation, or fixed per-peer slabs sized by "
-                    "--moe_capacity_factor (auto: dense on CPU only).")
-  flags.DEFINE_bool("ragged_decomposer", True,
-                    "With expert parallelism over ragged_all_to_all, add "
-                    f"{RAGGED_DECOMPOSER_FLAG} to XLA_FLAGS (6.2x faster "
-                    "exchange on 4 x H200 with jax 0.11.2; "
-                    "benchmarks/notes/scaling.md).")
-  flags.DEFINE_bool("distributed", False,
-                    "Multi-host: call jax.distributed.initialize (auto-detects "
-                    "SLURM / Open MPI unless the three flags below are given).")
-  flags.DEFINE_string("coordinator_address", None,
-                      "Multi-host: host:port of process 0.")
-  flags.DEFINE_integer("num_processes", None, "Multi-host: process count.")
-  flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
-
-
-RAGGED_DECOMPOSER_FLAG = (
-    "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true")
-
-
-def xla_flags_for(mesh_spec: str, all_to_all: str, decomposer: bool,
-                  xla_flags: str = "") -> str:
-  """XLA_FLAGS for a run: `xla_flags` plus the ragged all-to-all decomposer
-  when experts are split over devices and the exchange is ragged (GPU XLA's
-  own ragged all-to-all ran at 7.5 GB/s per GPU, the decomposed one at 46)."""
-  experts_split = bool(mesh_spec) and parse_mesh(mesh_spec)["expert"] > 1
-  wanted = (decomposer and experts_split and all_to_all in ("auto", "ragged")
-            and "ragged_all_to_all_decomposer" not in xla_flags)
-  return f"{xla_flags} {RAGGED_DECOMPOSER_FLAG}".strip() if wanted else xla_flags
-
-
-def from_flags():
-  """(mesh or None, expert_parallel.Options) from `define_flags`' flags;
-  initialises the distributed runtime first when asked. Call it before
-  anything touches a device: it may extend XLA_FLAGS (--ragged_decomposer)."""
-  from absl import flags, logging  # pylint: disable=import-outside-toplevel
-  f = flags.FLAGS
-  old = os.environ.get("XLA_FLAGS", "")
-  new = xla_flags_for(f.mesh, f.all_to_all, f.ragged_decomposer, old)
-  if new != old:
-    os.environ["XLA_FLAGS"] = new
-    logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
-                    RAGGED_DECOMPOSER_FLAG)
-  if f.distributed or f.coordinator_address is not None:
-    initialize_distributed(f.coordinator_address, f.num_processes,
-                           f.process_id)
-  mesh = make_mesh(f.mesh) if f.mesh else None
-  return mesh, expert_parallel.Options(
-      capacity_factor=f.moe_capacity_factor, all_to_all=f.all_to_all)

@@ -30,7 +30,7 @@ import numpy as np
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.eval import scoring, tasks as tasks_lib
-from m2jax.train import step as step_lib
+from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import write_json
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
@@ -178,7 +178,7 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
   summary = pretrain(mcfg, tcfg, dcfg, run_dir, resume=True, progress=progress,
                      sample_tokens=0)
   tokenizer = make_tokenizer(dcfg, os.path.join(run_dir, "tokenizer"))
-  variables = step_lib.variables_of(summary["state"])
+  variables = state_lib.variables_of(summary["state"])
   scores = scoring.evaluate_tasks(
       mcfg, variables, tokenizer, lengths=list(cfg.eval_lengths),
       tasks=cfg.eval_tasks, examples_per_point=cfg.examples_per_point)

@@ -23,20 +23,22 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 from m2jax import config as config_lib  # pylint: disable=wrong-import-position
 from m2jax import model, sharding  # pylint: disable=wrong-import-position
 from m2jax.model import expert_parallel  # pylint: disable=wrong-import-position
+from m2jax.settings import Settings  # pylint: disable=wrong-import-position
 from m2jax.train import checkpoint as ckpt_lib  # pylint: disable=wrong-import-position
+from m2jax.train import state as state_lib  # pylint: disable=wrong-import-position
 from m2jax.train import step as step_lib  # pylint: disable=wrong-import-position
 from m2jax.data import DataConfig  # pylint: disable=wrong-import-position
 from m2jax.train.config import TrainConfig  # pylint: disable=wrong-import-position
 from m2jax.train.loop import pretrain  # pylint: disable=wrong-import-position
 from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-position
 
-# Mesh (+ a label) -> expert-parallel options: "data=2,expert=2,tensor=2"
-# also splits each device's tokens into two exchanges, "slabs" exchanges
+# Mesh (+ a label) -> how the step runs: "data=2,expert=2,tensor=2" also
+# splits each device's tokens into two exchanges, "slabs" exchanges
 # fixed-size per-peer slabs (worst-case size: nothing dropped).
-MESHES = {"data=8": None, "data=2,fsdp=2,expert=2": None,
-          "fsdp=2,expert=4": None,
-          "data=2,expert=2,tensor=2": expert_parallel.Options(chunks=2),
-          "fsdp=2,expert=4 slabs": expert_parallel.Options(all_to_all="slabs")}
+MESHES = {"data=8": Settings(), "data=2,fsdp=2,expert=2": Settings(),
+          "fsdp=2,expert=4": Settings(),
+          "data=2,expert=2,tensor=2": Settings(exchange_chunks=2),
+          "fsdp=2,expert=4 slabs": Settings(all_to_all="slabs")}
 # TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.
 MCFG = config_lib.TINY.replace(num_layers=1)
 # eps well above float32 noise: Adam's first steps are sign-like and would
@@ -62,30 +64,32 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _loss_and_grads(params, bias, batch):
-  loss_fn = functools.partial(step_lib._loss_fn, mcfg=MCFG, tcfg=TCFG)  # pylint: disable=protected-access
+def _loss_and_grads(params, bias, batch, mcfg=MCFG):
+  loss_fn = functools.partial(step_lib._loss_fn, mcfg=mcfg, tcfg=TCFG)  # pylint: disable=protected-access
   (loss, (_, out)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, bias, batch, jnp.zeros((), jnp.int32))
   dropped = out.routing.dropped.sum() + out.mtp_routing.dropped.sum()
   return loss, out.logits, out.mtp_logits[0], out.routing.load_E, dropped, grads
 
 
-def _fresh_jit():
-  # The logical rules and expert options are read at trace time and are not
-  # part of jit's cache key: a new function object per setting.
-  return jax.jit(functools.partial(_loss_and_grads))
+def _fresh_jit(settings: Settings = Settings()):
+  # The logical rules (and the mesh) are read at trace time and are not
+  # part of jit's cache key: a new function object per mesh. The settings
+  # travel in the model config, a static argument.
+  return jax.jit(functools.partial(
+      _loss_and_grads, mcfg=MCFG.replace(settings=settings)))
 
 
 def check_meshes(variables, batch, result):
   fn = _fresh_jit()
   ref = fn(variables["params"], variables["expert_bias"], batch)
-  for spec, opts in MESHES.items():
+  for spec, settings in MESHES.items():
     t = time.time()
     mesh = sharding.make_mesh(spec.split()[0])
     placed = sharding.place(variables,
                             sharding.variable_shardings(MCFG, mesh))
-    fn = _fresh_jit()
-    with sharding.use_mesh(mesh, expert_options=opts):
+    fn = _fresh_jit(settings)
+    with sharding.use_mesh(mesh):
       got = fn(placed["params"], placed["expert_bias"],
                sharding.shard_batch(batch, mesh))
     result["meshes"][spec] = {
@@ -144,7 +148,7 @@ def check_pretrain(tmp, result):
   other = sharding.make_mesh("fsdp=2,expert=4")
   target = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      state, sharding.state_shardings(MCFG, tcfg, other))
+      state, state_lib.state_shardings(MCFG, tcfg, other))
   ck = ckpt_lib.Checkpointer(os.path.join(tmp, "mesh", "checkpoints"), keep=1)
   step, restored, _, _ = ck.restore_latest(target)
   ck.close()
@@ -160,9 +164,10 @@ def check_capacity(variables, batch, result):
   placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
   result["capacity"] = {}
   for impl in ("dense", "slabs"):
-    opts = expert_parallel.Options(capacity_factor=0.25, all_to_all=impl)
-    forward = jax.jit(lambda v, t: model.forward(MCFG, v, t))
-    with sharding.use_mesh(mesh, expert_options=opts):
+    cfg = MCFG.replace(settings=Settings(capacity_factor=0.25,
+                                         all_to_all=impl))
+    forward = jax.jit(functools.partial(model.forward, cfg))
+    with sharding.use_mesh(mesh):
       out = forward(placed, sharding.shard_batch(batch, mesh)["tokens"])
     result["capacity"][impl] = {
         "dropped": int(out.routing.dropped.sum()),
@@ -260,9 +265,8 @@ def check_ragged_lowering(variables, batch, result):
   run it, so it is lowered only."""
   mesh = sharding.make_mesh("data=2,expert=2,tensor=2")
   placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
-  opts = expert_parallel.Options(all_to_all="ragged")
-  with sharding.use_mesh(mesh, expert_options=opts):
-    text = _fresh_jit().lower(
+  with sharding.use_mesh(mesh):
+    text = _fresh_jit(Settings(all_to_all="ragged")).lower(
         placed["params"], placed["expert_bias"],
         sharding.shard_batch(batch, mesh)).as_text()
   result["ragged_lowering"] = text.count("ragged_all_to_all")

@@ -13,7 +13,7 @@ from m2jax import config as config_lib
 from m2jax.config import config_to_dict
 from m2jax.data import DataConfig
 from m2jax.train import checkpoint as ckpt_lib
-from m2jax.train import step as step_lib
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +84,7 @@ def test_resume_with_another_config_is_one_line_and_moves_nothing(tmp_path):
   # A step-2 checkpoint as pretrain writes it, of a model with hidden 32
   # (zeros of the state's shapes: nothing to compile).
   state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(
-      lambda: step_lib.create_state(mcfg, tcfg)))
+      lambda: state_lib.create_state(mcfg, tcfg)))
   checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"),
                                        keep=3)
   checkpointer.save(2, state, {}, {

@@ -21,7 +21,6 @@ from m2jax.config import ConfigError, ModelConfig
     ({"attention_pattern": ("local",)}, "attention_pattern"),
     ({"gating": "relu"}, "gating"),
     ({"ffn_type": "dense"}, "dense_intermediate_size"),
-    ({"gmm_backend": "cuda"}, "gmm_backend"),
     ({"compute_dtype": "int8"}, "compute_dtype"),
     ({"num_sink_tokens": -1}, "num_sink_tokens"),
     ({"hidden_size": 0}, "hidden_size"),

@@ -171,14 +171,14 @@ def test_errors_name_the_problem():
 
 
 def test_renamed_backend_and_interpret_type_are_explained():
-  from m2jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from m2jax import settings as settings_lib  # pylint: disable=import-outside-toplevel
   x, w = jnp.zeros((8, 128), BF16), jnp.zeros((2, 128, 64), BF16)
   gs = jnp.array([4, 4], jnp.int32)
   with pytest.raises(ValueError, match="'pallas' is now called 'mosaic'"):
     gmm_lib.gmm(x, w, gs, backend="pallas")
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(settings_lib.SettingsError,
                      match="gmm_backend.*'pallas' is now called 'mosaic'"):
-    config_lib.TINY.replace(gmm_backend="pallas")
+    settings_lib.Settings(gmm_backend="pallas")
   with pytest.raises(ValueError, match="interpret must be True or False.*"
                      "backend='triton', interpret=True"):
     gmm_lib.gmm(x, w, gs, backend="mosaic", interpret="portable")
@@ -252,6 +252,8 @@ def test_layers_share_one_lowered_kernel_per_shape(monkeypatch):
   # as 1 layer does instead of 3x as many.
   from m2jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from m2jax import model  # pylint: disable=import-outside-toplevel
+  from m2jax.settings import Settings  # pylint: disable=import-outside-toplevel
+  from m2jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
   from m2jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   from m2jax.train.config import TrainConfig  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(gmm_lib, "_on_gpu", lambda: True)
@@ -259,11 +261,11 @@ def test_layers_share_one_lowered_kernel_per_shape(monkeypatch):
   def kernels_in_step(layers):
     mcfg = config_lib.TINY.replace(
         num_layers=layers, hidden_size=128, moe_intermediate_size=128,
-        compute_dtype="bfloat16", gmm_backend="mosaic", num_mtp_modules=0,
-        attention_impl="xla")
+        compute_dtype="bfloat16", num_mtp_modules=0,
+        settings=Settings(gmm_backend="mosaic", attention="xla"))
     tcfg = TrainConfig(steps=10, mtp_depth=0)
     state = jax.eval_shape(
-        lambda key: step_lib.init_state(mcfg, tcfg, model.init(mcfg, key)),
+        lambda key: state_lib.init_state(mcfg, tcfg, model.init(mcfg, key)),
         jax.random.key(0))
     batch = {k: jax.ShapeDtypeStruct((2, 64), jnp.int32)
              for k in ("tokens", "segment_ids", "positions")}

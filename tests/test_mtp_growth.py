@@ -16,6 +16,7 @@ from m2jax import model
 from m2jax.data import DataConfig
 from m2jax.model.layers import positions_from_segments
 from m2jax.train import losses, mtp_growth, schedules
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
@@ -238,7 +239,7 @@ def _counts(state) -> list[int]:
 
 def _trained(mcfg, tcfg, variables, step, seed):
   """A state as if trained `step` steps: random moments, counts = step."""
-  state = step_lib.init_state(mcfg, tcfg, variables)
+  state = state_lib.init_state(mcfg, tcfg, variables)
   rng = np.random.default_rng(seed)
   opt_state = jax.tree.map(
       lambda x: (np.full(x.shape, step, x.dtype) if x.ndim == 0 else
@@ -254,7 +255,7 @@ def test_carry_state_keeps_moments_and_the_step_count():
   mtp_only_tc = schedule.replace(mtp_depth=3, mtp_only=True)
   joint_tc = schedule.replace(mtp_depth=3)
   base = _trained(MCFG, base_tc, _random_variables(MCFG), 7, seed=1)
-  grown_cfg, grown = mtp_growth.grow_mtp(MCFG, step_lib.variables_of(base), 3)
+  grown_cfg, grown = mtp_growth.grow_mtp(MCFG, state_lib.variables_of(base), 3)
 
   # Growth -> MTP only: the step count goes on (no second warm-up); module
   # 1 keeps its moments, the new modules start at zero.
@@ -279,7 +280,7 @@ def test_carry_state_keeps_moments_and_the_step_count():
                         else before[name]), name
   # The carried state is one the joint train step takes as it is.
   assert jax.tree.structure(start_b) == jax.tree.structure(
-      step_lib.init_state(grown_cfg, joint_tc, grown))
+      state_lib.init_state(grown_cfg, joint_tc, grown))
 
 
 def _corpus(tmp_path):

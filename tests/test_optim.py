@@ -14,7 +14,7 @@ from m2jax import config as config_lib
 from m2jax import model
 from m2jax import sharding
 from m2jax.train import optim
-from m2jax.train import step as step_lib
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
 # Side by side, a MoE model with an MTP module and a dense-FFN one hold
@@ -242,7 +242,7 @@ def test_optimizer_state_gets_shardings(opt, mtp_only):
   mcfg = CONFIGS["moe"]
   tcfg = TrainConfig(optimizer=opt, mtp_only=mtp_only, mtp_depth=1)
   mesh = sharding.make_mesh("data=1")
-  got = sharding.state_shardings(mcfg, tcfg, mesh).opt_state
-  want = jax.eval_shape(lambda: step_lib.init_state(
+  got = state_lib.state_shardings(mcfg, tcfg, mesh).opt_state
+  want = jax.eval_shape(lambda: state_lib.init_state(
       mcfg, tcfg, model.init(mcfg, jax.random.key(0)))).opt_state
   assert jax.tree.structure(got) == jax.tree.structure(want)

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.tree_attention import tree_mask
+from kernels.tree_attention import TreeAttentionConfig, tree_mask
 from m2jax import config as config_lib
 from m2jax import model
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
 from m2jax.rl import step as rl_step
+from m2jax.settings import Settings
 
 
 # ------------------------------------------------------------ batches ------
@@ -337,9 +338,11 @@ def test_cispo_config_names_the_bad_field():
 # ----------------------------------------------------------- exactness -----
 
 CFG = config_lib.TINY.replace(num_mtp_modules=1, compute_dtype="float32",
-                              attention_impl="xla")
+                              settings=Settings(attention="xla"))
 # The same model with tree attention through the Pallas kernel (interpreted).
-CFG_KERNEL = CFG.replace(attention_impl="pallas_interpret")
+CFG_KERNEL = CFG.replace(settings=Settings(
+    attention="xla", tree_attention=TreeAttentionConfig(backend="triton"),
+    interpret=True))
 RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
                       mtp_depth=1, mtp_weight=0.5)
 

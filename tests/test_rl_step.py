@@ -16,10 +16,12 @@ from m2jax import model
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree as pt
 from m2jax.rl import step as rl_step
-from m2jax.train import step as train_lib
+from m2jax.settings import Settings
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
-CFG = config_lib.TINY.replace(num_mtp_modules=1, attention_impl="xla")
+CFG = config_lib.TINY.replace(num_mtp_modules=1,
+                              settings=Settings(attention="xla"))
 RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
                       mtp_depth=1)
 
@@ -109,7 +111,7 @@ def test_train_step_over_rows_equals_one_batch():
                                    train_config=tcfg, config=RL))
   results = []
   for rows in (1, None):
-    state = train_lib.init_state(CFG, tcfg, variables)
+    state = state_lib.init_state(CFG, tcfg, variables)
     batches = rl_step.stack_batches(rl_step.make_batches(
         trees, groups, RL, rows_per_batch=rows))
     results.append(step(state, batches))

@@ -13,6 +13,7 @@ from m2jax import model
 from m2jax.model import moe
 from m2jax.model.layers import positions_from_segments
 from m2jax.train import losses
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 
@@ -254,7 +255,7 @@ def test_train_step_moves_every_mtp_bias_by_its_own_load():
     bias[f"mtp_{k}"] = {"block_0": {"moe": {"bias": pushed}}}
   v = dict(v, **{model.EXPERT_BIAS: bias})
   tcfg = TrainConfig(steps=4, warmup_steps=1, mtp_depth=2)
-  state = step_lib.create_state(cfg, tcfg, v)
+  state = state_lib.create_state(cfg, tcfg, v)
   batch = _row_batch(cfg, seed=4)
   train = jax.jit(functools.partial(step_lib.train_step, model_config=cfg,
                                     train_config=tcfg))

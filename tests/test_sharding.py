@@ -215,20 +215,3 @@ def test_exchange_values_with_drops(report):
     assert got["dropped"] == got["want_dropped"], (name, got)
   assert sum(r["slabs@0.5"]["dropped"]) > 0 and sum(r["dense@0.5"]["dropped"]) > 0
   assert sum(r["slabs@0.0"]["dropped"]) == 0  # worst-case slabs: dropless
-
-
-def test_ragged_decomposer_added_only_where_it_applies():
-  flag = sharding.RAGGED_DECOMPOSER_FLAG
-  assert sharding.xla_flags_for("data=2,expert=4", "auto", True) == flag
-  assert sharding.xla_flags_for("expert=2", "ragged", True, "--a=1") == \
-      f"--a=1 {flag}"
-  # Not without expert parallelism, another exchange, when switched off, or
-  # when the user already chose a value.
-  for args in (("data=8", "auto", True), ("", "auto", True),
-               ("expert=4", "slabs", True), ("expert=4", "dense", True),
-               ("expert=4", "auto", False)):
-    assert sharding.xla_flags_for(*args, "--a=1") == "--a=1", args
-  mine = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
-  assert sharding.xla_flags_for("expert=4", "auto", True, mine) == mine
-  with pytest.raises(sharding.MeshError, match="expected AXIS=SIZE"):
-    sharding.xla_flags_for("experts=4", "auto", True)

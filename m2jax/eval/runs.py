@@ -12,7 +12,7 @@ from m2jax.config import ModelConfig, config_from_dict
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.errors import MissingPathError
 from m2jax.train import checkpoint as ckpt_lib
-from m2jax.train import step as step_lib
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
 
@@ -33,7 +33,7 @@ def load_run(workdir: str):
   complete checkpoint in `workdir`."""
   mcfg, tcfg, dcfg = load_configs(workdir)
   # Shapes only, no memory.
-  state = jax.eval_shape(lambda: step_lib.init_state(
+  state = jax.eval_shape(lambda: state_lib.init_state(
       mcfg, tcfg, model.init(mcfg, jax.random.key(0))))
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=tcfg.keep_checkpoints)
@@ -43,4 +43,4 @@ def load_run(workdir: str):
     raise FileNotFoundError(f"no readable checkpoint under {workdir}")
   step, state, _, _ = restored
   tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
-  return mcfg, dcfg, tokenizer, step_lib.variables_of(state), step
+  return mcfg, dcfg, tokenizer, state_lib.variables_of(state), step

@@ -64,7 +64,7 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> ModelConfig:
   """ModelConfig of a hub config.json dict.
 
   Absent fields mean what HF transformers assumes. Fields that are not hub
-  fields (compute_dtype, gmm_backend, bias_update_rate, ...) come from
+  fields (compute_dtype, bias_update_rate, settings, ...) come from
   `overrides`. `router_aux_loss_coef` becomes `aux_loss_coef`: the same
   role (the balance loss's weight), applied by m2jax to DeepSeek-V3's
   sequence-wise loss (HF applies it, only with output_router_logits, to a

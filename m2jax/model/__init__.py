@@ -7,7 +7,9 @@
   out.routing.load_E        # [L, E] per-layer expert load (for the bias)
 
 `variables` is a plain dict {"params": ..., "expert_bias": ...}: trainable
-parameters and the non-trainable routing bias, never hidden state.
+parameters and the non-trainable routing bias, never hidden state. How the
+step runs (kernels and tiles, the expert exchange, remat) is
+`config.settings` (m2jax.settings), part of every jit cache key.
 
 Prefix-tree merged rows (m2jax.rl.prefix_tree) pass `subtree_end` (and
 `parent` for MTP) with positions = depths:
@@ -24,7 +26,8 @@ import jax.numpy as jnp
 from m2jax.config import ConfigError, ModelConfig
 from m2jax.model.moe import (EXPERT_BIAS, Routing, RoutingStats, route,
                              update_expert_bias)
-from m2jax.model.transformer import ModelOutput, Transformer, shift_left
+from m2jax.model.mtp import shift_left
+from m2jax.model.transformer import ModelOutput, Transformer
 
 __all__ = [
     "EXPERT_BIAS", "ModelOutput", "Routing", "RoutingStats", "Transformer",

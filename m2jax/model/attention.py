@@ -12,11 +12,13 @@ sliding window on positions (i - j < window) with sink tokens (the first
 Tree layout (prefix-tree merged samples, m2jax.rl.prefix_tree): given
 `subtree_end`, "causal" becomes "key j is visible to query i iff
 j <= i < subtree_end[j]" (i is j or one of its descendants) and positions
-are depths. Full-attention layers then run the Pallas tree-attention kernel
-on a GPU (kernels/tree_attention.py; `attention_impl="xla"` or a CPU use the
-dense mask instead; `attention_impl="pallas_interpret"` runs the kernel in
-interpret mode on any backend, for CPU tests); sliding-window layers use the
-dense mask, the window measured on depths.
+are depths. Full-attention layers then run kernels/tree_attention.py with
+the backend and tiles of `settings.tree_attention` (the Mosaic GPU kernels
+on Hopper, the dense-mask reference on a CPU by default); sliding-window
+layers use the dense mask, the window measured on depths.
+
+Which implementation runs is `config.settings` (m2jax.settings): the
+attention of ordinary rows is `settings.attention` (cuDNN or XLA).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kernels.tree_attention import TreeAttentionConfig, tree_attention
+from kernels.tree_attention import tree_attention
 from m2jax.config import ModelConfig
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
@@ -76,7 +78,7 @@ def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
   """Dispatch to cuDNN flash attention on GPU or the XLA reference."""
   if impl == "auto":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  if impl in ("xla", "pallas_interpret"):
+  if impl == "xla":
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
@@ -117,23 +119,14 @@ class Attention(nn.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
 
-    if subtree_end_BxT is not None and self._use_tree_kernel():
-      interpret = cfg.attention_impl == "pallas_interpret"
+    if subtree_end_BxT is not None and self.window is None:
       out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT,
-                           config=TreeAttentionConfig(interpret=interpret))
+                           config=cfg.settings.tree_attention)
     else:
       mask = attention_mask(segment_ids_BxT, positions_BxT,
                             window=self.window,
                             num_sink_tokens=cfg.num_sink_tokens,
                             subtree_end_BxT=subtree_end_BxT)
-      out = dot_product_attention(q, k, v, mask, impl=cfg.attention_impl)
+      out = dot_product_attention(q, k, v, mask, impl=cfg.settings.attention)
     y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cdt))
     return constrain(y, ("act_batch", "act_length", "act_embed"))
-
-  def _use_tree_kernel(self) -> bool:
-    """Pallas tree kernel for full layers on a GPU unless impl is "xla";
-    anywhere (interpreted) with impl "pallas_interpret"."""
-    impl = self.config.attention_impl
-    return self.window is None and (
-        impl == "pallas_interpret"
-        or (impl != "xla" and jax.default_backend() == "gpu"))

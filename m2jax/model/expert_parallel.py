@@ -17,13 +17,15 @@ expert's FFN dimension split over "tensor". One MoE layer on one device:
      partial sums of the split FFN dimension.
 
 Dropless by default: the receive buffer holds the worst case,
-n_ep * T_local * min(K, E / n_ep) rows. `Options.capacity_factor` c > 0
-shrinks it to c * T_local * K rows (less memory); rows past it are dropped,
-whole tail first, and counted: the drop counter of `RoutingStats.dropped`.
+n_ep * T_local * min(K, E / n_ep) rows. A capacity factor c > 0
+(`Settings.capacity_factor`, m2jax.settings) shrinks it to c * T_local * K
+rows (less memory); rows past it are dropped, whole tail first, and counted:
+the drop counter of `RoutingStats.dropped`.
 
-CPU has no ragged all-to-all, so `all_to_all="dense"` (the default off GPU/TPU)
-emulates it exactly with a dense `all_to_all` of fixed-size slabs: the same
-plan, the same results, more bytes moved.
+The exchange is `Settings.all_to_all`. CPU has no ragged all-to-all, so
+`all_to_all="dense"` (the default off GPU/TPU) emulates it exactly with a
+dense `all_to_all` of fixed-size slabs: the same plan, the same results,
+more bytes moved.
 
 `all_to_all="slabs"` is the fixed-shape exchange of GShard-style MoE: each
 (source, destination) pair gets a slab of S rows, S = capacity_factor x
@@ -36,10 +38,7 @@ counted, as with the capacity buffer.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-import threading
 from typing import NamedTuple
 
 import jax
@@ -50,58 +49,6 @@ from m2jax.config import ConfigError
 # Mesh axes this module reads (m2jax.sharding builds meshes with them).
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
-ALL_TO_ALL_IMPLS = ("auto", "ragged", "dense", "slabs")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """How the expert-parallel MoE runs (set with `options(...)`).
-
-  capacity_factor: 0 sizes the receive buffer for the worst case (no token
-    can be dropped); c > 0 gives c * T_local * K rows, dropping and counting
-    what does not fit.
-  all_to_all: "ragged" (`jax.lax.ragged_all_to_all`; GPU/TPU), "dense"
-    (exact emulation by `jax.lax.all_to_all`; any backend), "slabs" (one
-    fixed-size slab per peer, sized by capacity_factor; any backend), "auto"
-    (ragged unless the backend is CPU).
-  chunks: split each device's tokens into this many independent exchanges
-    (when T_local divides), so that one chunk's all-to-all can overlap
-    another's grouped matmuls.
-
-  The options are read when a step is traced and are not part of jit's
-  cache key: jit a new function per setting (jit_steps does).
-  """
-  capacity_factor: float = 0.0
-  all_to_all: str = "auto"
-  chunks: int = 1
-
-  def __post_init__(self):
-    if self.chunks < 1:
-      raise ConfigError(f"Options.chunks: must be >= 1 (got {self.chunks!r})")
-    if self.capacity_factor < 0:
-      raise ConfigError(f"Options.capacity_factor: must be >= 0 (got "
-                        f"{self.capacity_factor!r})")
-    if self.all_to_all not in ALL_TO_ALL_IMPLS:
-      raise ConfigError(f"Options.all_to_all: must be one of "
-                        f"{ALL_TO_ALL_IMPLS} (got {self.all_to_all!r})")
-
-
-_local = threading.local()
-
-
-def current_options() -> Options:
-  return getattr(_local, "options", None) or Options()
-
-
-@contextlib.contextmanager
-def options(opts: Options | None):
-  """Context in which traced MoE layers use `opts`."""
-  old = getattr(_local, "options", None)
-  _local.options = opts
-  try:
-    yield
-  finally:
-    _local.options = old
 
 
 def resolve_impl(impl: str) -> str:

@@ -16,8 +16,12 @@ Under a mesh with an "expert" axis (m2jax.sharding.use_mesh) the dispatch,
 experts and combine run inside `jax.shard_map`: tokens travel to the devices
 that own their experts and back (m2jax.model.expert_parallel), each expert's
 FFN dimension is split over "tensor"; a capacity factor
-(expert_parallel.Options) bounds the receive buffer and counts what it
+(`Settings.capacity_factor`) bounds the receive buffer and counts what it
 drops in RoutingStats.dropped. Without a mesh nothing changes.
+
+Which kernels run, with which tiles, and how tokens are exchanged is
+`config.settings` (m2jax.settings): this module reads gmm_backend,
+gmm_tiles, interpret, all_to_all, capacity_factor and exchange_chunks.
 
 The expert bias lives in the non-trainable collection "expert_bias"; it is
 updated outside the gradient by `update_expert_bias` from the per-expert
@@ -38,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.gmm import gmm, gmm_swiglu
 from m2jax.config import ModelConfig
+from m2jax.settings import Settings
 from m2jax.model import expert_parallel
 from m2jax.model.expert_parallel import EXPERT_AXIS, TENSOR_AXIS
 from m2jax.model.layers import constrain, dtype_of, param_init
@@ -172,18 +177,21 @@ def combine(y_sorted, routing: Routing, order):
                     routing.weights_TxK)
 
 
-def swiglu_experts(x_sorted, group_sizes, w1, w3, w2, *, backend: str):
+def swiglu_experts(x_sorted, group_sizes, w1, w3, w2, *, settings: Settings):
   """Expert e computes w2(silu(w1 x) * w3 x) on its rows of `x_sorted`.
 
   The gated up-projection is one fused grouped matmul (w1 and w3 together,
   silu(a) * b in float32 in its epilogue); outputs are in the compute dtype
-  and `combine` sums them in float32.
+  and `combine` sums them in float32. The grouped matmuls run on
+  settings.gmm_backend with settings.gmm_tiles.
   """
   cdt = x_sorted.dtype
+  kernel = dict(backend=settings.gmm_backend, tiles=settings.gmm_tiles,
+                interpret=settings.interpret)
   h = gmm_swiglu(x_sorted, w1.astype(cdt), w3.astype(cdt), group_sizes,
-                 backend=backend)
+                 **kernel)
   return gmm(h, w2.astype(cdt), group_sizes, preferred_element_type=cdt,
-             backend=backend)
+             **kernel)
 
 
 def _token_axes(mesh) -> tuple[str, ...]:
@@ -216,13 +224,14 @@ def _expert_mesh(num_tokens: int):
 
 
 def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
-                    backend: str, opts: expert_parallel.Options | None = None):
+                    settings: Settings):
   """Dispatch, experts and combine, sharded over `mesh` (see module doc).
 
   x_TxD and routing are global arrays split over `token_axes`; w1/w3
-  [E, D, F], w2 [E, F, D]. Returns (y [T, D] float32, dropped int32).
+  [E, D, F], w2 [E, F, D]. The exchange follows settings.all_to_all,
+  capacity_factor and exchange_chunks. Returns (y [T, D] float32, dropped
+  int32).
   """
-  opts = opts or expert_parallel.current_options()
   n_ep = mesh.shape[EXPERT_AXIS]
   n_tp = mesh.shape.get(TENSOR_AXIS, 1)
   E, _, F = w1.shape
@@ -232,23 +241,24 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
         f"expert parallelism needs num_experts={E} divisible by the "
         f"'{EXPERT_AXIS}' axis ({n_ep}) and moe_intermediate_size={F} by "
         f"the '{TENSOR_AXIS}' axis ({n_tp})")
-  impl = expert_parallel.resolve_impl(opts.all_to_all)
+  impl = expert_parallel.resolve_impl(settings.all_to_all)
 
   def chunk(x, experts, weights, w1, w3, w2):
     local = Routing(None, experts, weights)
     x_sorted, sizes_E, order = dispatch(x, local, E)
     run = lambda rows, sizes: swiglu_experts(rows, sizes, w1, w3, w2,
-                                             backend=backend)
+                                             settings=settings)
     if n_ep == 1:
       y_sorted, dropped = run(x_sorted, sizes_E), jnp.zeros((), jnp.int32)
     else:
       y_sorted, dropped = expert_parallel.exchange(
           x_sorted, sizes_E, run, top_k=K,
-          capacity_factor=opts.capacity_factor, impl=impl)
+          capacity_factor=settings.capacity_factor, impl=impl)
     return combine(y_sorted, local, order), dropped
 
   def body(x, experts, weights, w1, w3, w2):
-    c = opts.chunks if x.shape[0] % opts.chunks == 0 else 1
+    chunks = settings.exchange_chunks
+    c = chunks if x.shape[0] % chunks == 0 else 1
     parts = [chunk(*(a.reshape(c, -1, *a.shape[1:])[i]
                      for a in (x, experts, weights)), w1, w3, w2)
              for i in range(c)]
@@ -306,13 +316,13 @@ class MoE(nn.Module):
       x_sorted, group_sizes, order = dispatch(x_TxD.astype(cdt), routing, E)
       x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
       y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
-                                backend=cfg.gmm_backend)
+                                settings=cfg.settings)
       y, dropped = combine(y_sorted, routing, order), None
     else:
       mesh, axes = sharded
       y, dropped = sharded_experts(x_TxD.astype(cdt), routing, w1, w3, w2,
                                    mesh=mesh, token_axes=axes,
-                                   backend=cfg.gmm_backend)
+                                   settings=cfg.settings)
     y = y.astype(cdt).reshape(B, T, D)
     doc_ids = jnp.where(valid_BxT, segment_ids_BxT, 0)
     stats = routing_stats(routing, doc_ids, E, dropped)

@@ -48,6 +48,7 @@ from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree
+from m2jax.train import state as state_lib
 from m2jax.train import step as train_lib
 from m2jax.train.config import TrainConfig
 
@@ -213,7 +214,7 @@ def grad_step(params, expert_bias, batch: RLBatch, *,
   return grads, metrics, routing
 
 
-def train_step(state: train_lib.TrainState, batches: RLBatch, *,
+def train_step(state: state_lib.TrainState, batches: RLBatch, *,
                model_config: ModelConfig, train_config: TrainConfig,
                config: RLConfig):
   """One policy update over micro-batches stacked on axis 0

@@ -36,6 +36,7 @@ from m2jax.data import (DataConfig, make_dataset, make_iterator, make_tokenizer,
 from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import MetricsWriter, peak_flops
@@ -105,7 +106,7 @@ def _device_batch(batch, mesh=None):
 
 def _place_state(state, mcfg: ModelConfig, tcfg: TrainConfig, mesh=None):
   """(`state` on device, its step) after checking it fits the configs."""
-  want = jax.eval_shape(lambda: step_lib.create_state(mcfg, tcfg))
+  want = jax.eval_shape(lambda: state_lib.create_state(mcfg, tcfg))
   if jax.tree.structure(state) != jax.tree.structure(want) or any(
       np.shape(x) != w.shape
       for x, w in zip(jax.tree.leaves(state), jax.tree.leaves(want))):
@@ -115,7 +116,7 @@ def _place_state(state, mcfg: ModelConfig, tcfg: TrainConfig, mesh=None):
   if mesh is None:
     return jax.device_put(state), step
   return sharding.place(state,
-                        sharding.state_shardings(mcfg, tcfg, mesh)), step
+                        state_lib.state_shardings(mcfg, tcfg, mesh)), step
 
 
 class _NoWriter:
@@ -133,19 +134,19 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
              sample_prompt: str = "def ", sample_tokens: int = 64,
              stop_after: int | None = None, progress: bool = True,
              init_variables=None, init_state=None, should_stop=None,
-             mesh=None, expert_options=None) -> dict:
+             mesh=None) -> dict:
   """Train; returns a summary {step, loss, val_loss, val_bpb, sample, ...}.
 
   `stop_after` ends the loop early at that step (with a checkpoint);
   `init_variables` starts from given variables instead of a fresh init (MTP
   growth); their buffers are donated to the first step. `init_state` (a
-  step_lib.TrainState for these configs, donated as well) starts from a
+  state_lib.TrainState for these configs, donated as well) starts from a
   whole state instead, at its step, with its optimizer moments: one
   schedule continued over several calls (MTP growth's phases).
   `should_stop(step, metrics)` is asked at every logged step; True saves a
   checkpoint and ends the run there (e.g. once a loss has settled).
-  `mesh` shards the run (m2jax.sharding.make_mesh); `expert_options`
-  (m2jax.model.expert_parallel.Options) tunes its expert-parallel MoE.
+  `mesh` shards the run (m2jax.sharding.make_mesh); how its steps run
+  (kernels, the expert exchange) is `model_config.settings`.
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
@@ -173,7 +174,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
     for _, cfg in stages:
       sharding.check_mesh(mcfg, mesh, cfg.batch_size)
   if init_state is None:
-    state = step_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
+    state = state_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
     start = 0
   else:
     if init_variables is not None:
@@ -194,8 +195,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
   train_it = _stage_iterator(stages, stage, tokenizer, data_state)
-  train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh,
-                                         expert_options=expert_options)
+  train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   # A resume that found no checkpoint starts over: its metrics too (the
   # step-0 eval line would otherwise be written twice).
   resumed = resume and start > 0
@@ -265,7 +265,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   if int(state.step) == tcfg.steps and sample_tokens:
     prompt = np.concatenate([[tokenizer.bos_id],
                              tokenizer.encode(sample_prompt)])
-    ids = sample.greedy(mcfg, step_lib.variables_of(state), prompt,
+    ids = sample.greedy(mcfg, state_lib.variables_of(state), prompt,
                         sample_tokens)
     text = tokenizer.decode(np.asarray(ids))
     if primary:

@@ -71,7 +71,7 @@ from m2jax.config import ModelConfig
 from m2jax.data import make_dataset, make_tokenizer
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import losses, schedules
-from m2jax.train import step as step_lib
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
 from m2jax.train.metrics import read_metrics
@@ -190,7 +190,7 @@ def _is_masked(x) -> bool:
 
 
 def carry_state(model_config: ModelConfig, train_config: TrainConfig,
-                variables, *sources) -> step_lib.TrainState:
+                variables, *sources) -> state_lib.TrainState:
   """The train state that continues `sources` under `train_config`.
 
   `model_config`, `variables`: the model and its variables for the new phase (grown or trained).
@@ -209,7 +209,7 @@ def carry_state(model_config: ModelConfig, train_config: TrainConfig,
         _joint_layout(src_config, src.opt_state), is_leaf=_is_masked)
     held.update({jax.tree_util.keystr(path): leaf for path, leaf in flat
                  if not _is_masked(leaf)})
-  fresh = step_lib.init_state(model_config, train_config, variables)
+  fresh = state_lib.init_state(model_config, train_config, variables)
 
   def take(path, leaf):
     if _is_masked(leaf):
@@ -292,8 +292,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
                    inits=INITS, mtp_only_max_steps: int,
                    learning_rate: float, decay_fraction: float,
                    settle: Plateau, warmup_steps: int = 10, seed: int = 0,
-                   progress: bool = True, mesh=None,
-                   expert_options=None) -> dict:
+                   progress: bool = True, mesh=None) -> dict:
   """Pretrain K=1, then grow to `depth` with each init; see the experiment.
 
   The phases and their schedule are the module docstring's. For each init,
@@ -302,7 +301,8 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
   end of the schedule, `growth_steps` after the growth: joint training,
   and MTP-only training (the paper's negative arm). WORKDIR/base is reused
   when it holds a finished base run of the same configs.
-  `mesh` / `expert_options` shard every training phase (m2jax.sharding).
+  `mesh` shards every training phase (m2jax.sharding); how the steps run
+  is `model_config.settings`.
 
   Every reported number is measured on the validation split: main CE, MTP
   CE per depth and acceptance per depth (depth k's argmax equals the main
@@ -325,8 +325,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
 
   def train(mcfg, tcfg, name, **kwargs):
     return pretrain(mcfg, tcfg, data_config, os.path.join(workdir, name),
-                    progress=progress, sample_tokens=0, mesh=mesh,
-                    expert_options=expert_options, **kwargs)
+                    progress=progress, sample_tokens=0, mesh=mesh, **kwargs)
 
   base_config = model_config.replace(num_mtp_modules=1)
   base_dir = os.path.join(workdir, "base")
@@ -337,7 +336,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
                                  "train config")
   base_state = _host(train(base_config, base_tc, "base", resume=True,
                            stop_after=base_steps)["state"])
-  base_vars = step_lib.variables_of(base_state)
+  base_vars = state_lib.variables_of(base_state)
   tokenizer = make_tokenizer(data_config, os.path.join(base_dir, "tokenizer"))
   held_out = lambda cfg, v: evaluate_mtp(cfg, v, data_config, tokenizer,
                                          depth=cfg.num_mtp_modules)
@@ -364,7 +363,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
     settled_at = int(end_a.step)
     joint = train(cfg, joint_tc, os.path.join(init, "joint"),
                   init_state=carry_state(
-                      cfg, joint_tc, step_lib.variables_of(end_a),
+                      cfg, joint_tc, state_lib.variables_of(end_a),
                       (mtp_only_tc, end_a), (base_tc, base_state)))
     frozen = train(cfg, mtp_only_tc, os.path.join(init, "mtp_only_to_end"),
                    init_state=end_a)
@@ -377,10 +376,10 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
         "settled": plateau.settled,
         "joint_from": at(settled_at),
         "start": start,
-        "after_mtp_only": held_out(cfg, step_lib.variables_of(end_a)),
-        "after_joint": held_out(cfg, step_lib.variables_of(joint["state"])),
+        "after_mtp_only": held_out(cfg, state_lib.variables_of(end_a)),
+        "after_joint": held_out(cfg, state_lib.variables_of(joint["state"])),
         "after_mtp_only_to_end": held_out(
-            cfg, step_lib.variables_of(frozen["state"])),
+            cfg, state_lib.variables_of(frozen["state"])),
         # Training-batch MTP loss per step after the growth, per arm.
         "mtp_ce_curve": {"joint": curve("joint"),
                          "mtp_only_to_end": curve("mtp_only_to_end")},

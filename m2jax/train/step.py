@@ -1,4 +1,4 @@
-"""The jitted train and eval steps over an explicit TrainState.
+"""The jitted train and eval steps over an explicit TrainState (state.py).
 
 State is passed in and returned: parameters, optimizer state, the expert
 bias (updated outside the gradient from the step's routing load) and the
@@ -12,7 +12,6 @@ XLA partitions them and the MoE runs expert-parallel.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,69 +22,10 @@ from m2jax import sharding
 from m2jax.config import ModelConfig
 from m2jax.data.packing import next_token_targets
 from m2jax.train import losses, schedules
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
-from m2jax.train.optim import is_frozen, make_optimizer
-
-
-class TrainState(NamedTuple):
-  step: jax.Array
-  params: Any
-  opt_state: Any
-  expert_bias: Any
-
-
-@functools.lru_cache(maxsize=8)
-def _param_axes(model_config: ModelConfig):
-  return model.logical_axes(model_config)["params"]
-
-
-def optimizer(model_config: ModelConfig, train_config: TrainConfig):
-  """The optimizer of `train_config` over the model's parameters (optim)."""
-  return make_optimizer(train_config, _param_axes(model_config))
-
-
-def init_state(model_config: ModelConfig, train_config: TrainConfig,
-               variables) -> TrainState:
-  """Step 0 state from model variables (params + expert bias)."""
-  opt = optimizer(model_config, train_config)
-  return TrainState(jnp.zeros((), jnp.int32), variables["params"],
-                    opt.init(variables["params"]),
-                    variables.get(model.EXPERT_BIAS, {}))
-
-
-def create_state(model_config: ModelConfig, train_config: TrainConfig,
-                 variables=None, *, mesh=None) -> TrainState:
-  """Step-0 state from `variables` (default: a fresh init from the seed).
-
-  With a mesh every leaf is created directly in its sharding (a fresh init
-  never exists whole on one device).
-  """
-  if mesh is None:
-    if variables is None:
-      variables = model.init(model_config, jax.random.key(train_config.seed))
-    return init_state(model_config, train_config, variables)
-  shardings = sharding.state_shardings(model_config, train_config, mesh)
-  if variables is None:
-    make = jax.jit(lambda key: init_state(model_config, train_config,
-                                          model.init(model_config, key)),
-                   out_shardings=shardings)
-    return make(jax.random.key(train_config.seed))
-  variables = sharding.place(
-      variables, sharding.variable_shardings(model_config, mesh))
-  return jax.jit(functools.partial(init_state, model_config, train_config),
-                 out_shardings=shardings)(variables)
-
-
-def _variables(params, expert_bias) -> dict:
-  v = {"params": params}
-  if expert_bias:
-    v[model.EXPERT_BIAS] = expert_bias
-  return v
-
-
-def variables_of(state: TrainState) -> dict:
-  """The model variables held by `state`."""
-  return _variables(state.params, state.expert_bias)
+from m2jax.train.optim import is_frozen
+from m2jax.train.state import TrainState, variables_of
 
 
 def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
@@ -96,7 +36,8 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
     # one): of the trunk, the MTP-only phase pays the forward alone.
     params = {k: jax.lax.stop_gradient(v) if is_frozen(tcfg, k) else v
               for k, v in params.items()}
-  out = model.forward(mcfg, _variables(params, expert_bias), batch["tokens"],
+  variables = state_lib.model_variables(params, expert_bias)
+  out = model.forward(mcfg, variables, batch["tokens"],
                       segment_ids=batch["segment_ids"],
                       positions=batch["positions"], mtp_depth=tcfg.mtp_depth)
   aux = mcfg.aux_loss_coef if tcfg.aux_loss_coef is None else tcfg.aux_loss_coef
@@ -111,7 +52,7 @@ def apply_gradients(state: TrainState, grads, out: model.ModelOutput, *,
   """The optimizer update of `grads` and the expert-bias update from the
   routing load in `out` (only its routing fields are read). Returns the new
   state and float32 metrics. Shared by the pretraining and RL steps."""
-  opt = optimizer(model_config, train_config)
+  opt = state_lib.optimizer(model_config, train_config)
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
@@ -170,12 +111,12 @@ def _jit_single_device(model_config: ModelConfig, train_config: TrainConfig):
 
 
 def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
-              mesh=None, expert_options=None):
+              mesh=None):
   """Jitted (train_step, eval_step) closed over the configs.
 
   With `mesh`: state and batch go in (and the state comes out) in the
   shardings of m2jax.sharding, metrics come out replicated, and tracing runs
-  under `sharding.use_mesh(mesh, expert_options=...)`. Batches are global
+  under `sharding.use_mesh(mesh)`. Batches are global
   arrays (`sharding.shard_batch`) or host arrays (single process).
   """
   if mesh is None:
@@ -183,11 +124,10 @@ def jit_steps(model_config: ModelConfig, train_config: TrainConfig, *,
     # compiled step (sweeps run several seeds per config).
     return _jit_single_device(model_config, train_config.replace(seed=0))
   train, evaluate = _step_fns(model_config, train_config)
-  state = sharding.state_shardings(model_config, train_config, mesh)
+  state = state_lib.state_shardings(model_config, train_config, mesh)
   batch, rep = sharding.batch_sharding(mesh), sharding.replicated(mesh)
   train = jax.jit(train, in_shardings=(state, batch),
                   out_shardings=(state, rep), donate_argnums=0)
   evaluate = jax.jit(evaluate, in_shardings=(state, batch),
                      out_shardings=rep)
-  return (sharding.on_mesh(train, mesh, expert_options),
-          sharding.on_mesh(evaluate, mesh, expert_options))
+  return sharding.on_mesh(train, mesh), sharding.on_mesh(evaluate, mesh)

@@ -1,0 +1,41 @@
+"""One pre-norm decoder block: x + attn(rmsnorm(x)), then x + ffn(rmsnorm(x)).
+
+The main model stacks `num_layers` of them (m2jax/model/transformer.py) and
+each MTP module runs `mtp_transformer_layers` more (m2jax/model/mtp.py). The
+FFN is the sparse MoE (M2) or, for the ablation, a dense SwiGLU.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+
+from m2jax.config import ModelConfig
+from m2jax.model.attention import Attention
+from m2jax.model.layers import RMSNorm
+from m2jax.model.moe import DenseFFN, MoE
+
+
+class Block(nn.Module):
+  """One pre-norm decoder block. Returns (x, RoutingStats or None)."""
+  config: ModelConfig
+  window: int | None = None
+
+  @nn.compact
+  def __call__(self, x, segment_ids, positions, valid, subtree_end=None):
+    cfg = self.config
+    norm = lambda name: RMSNorm((cfg.hidden_size,), cfg.rms_norm_eps,
+                                ("norm",), cfg.param_dtype, name=name)
+    h = norm("attn_norm")(x)
+    x = x + Attention(cfg, self.window, name="attn")(h, segment_ids, positions,
+                                                     subtree_end)
+    h = norm("ffn_norm")(x)
+    if cfg.ffn_type == "moe":
+      y, stats = MoE(cfg, name="moe")(h, segment_ids, valid)
+    else:
+      y, stats = DenseFFN(cfg, name="mlp")(h), None
+    return x + y, stats
+
+
+def block_class(config: ModelConfig):
+  """Block, rematerialised in the backward pass when settings.remat."""
+  return nn.remat(Block) if config.settings.remat else Block

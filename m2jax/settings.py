@@ -1,0 +1,132 @@
+"""How a step runs: kernel backends and tiles, attention, expert exchange.
+
+`Settings` is everything that changes how the model's math is executed but
+never what it computes: which grouped-matmul and attention kernels run and
+with which tiles, whether Pallas kernels are interpreted (CPU tests), how
+the expert-parallel MoE exchanges tokens, and what the backward pass
+recomputes. It is a frozen, hashable dataclass held by the model config
+(`ModelConfig.settings`), so it is part of every jit cache key by
+construction: two settings never share a compiled step.
+
+  settings = Settings(gmm_backend="mosaic", capacity_factor=1.5)
+  config = config.M2_SMALL.replace(settings=settings)
+  model.forward(config, variables, tokens)     # the MoE reads
+                                               # config.settings
+
+The settings are not part of a saved model: checkpoints and hub configs
+record what the model is, and each run chooses how to execute it
+(`experiments/run_flags.py` builds them from the command line).
+
+Where each field is read:
+  attention        m2jax/model/attention.py (causal and sliding-window rows)
+  tree_attention   m2jax/model/attention.py -> kernels/tree_attention.py
+  gmm_backend, gmm_tiles
+                   m2jax/model/moe.py -> kernels/gmm.py
+  interpret        both kernels (Pallas interpreters on a CPU)
+  all_to_all, capacity_factor, exchange_chunks
+                   m2jax/model/moe.py -> m2jax/model/expert_parallel.py
+  remat            m2jax/model/transformer.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kernels import gmm as gmm_lib
+from kernels.gmm_mosaic import TileConfig
+from kernels.tree_attention import TreeAttentionConfig
+from m2jax.errors import UserError
+
+# Attention of ordinary (causal / sliding-window) rows: cuDNN's flash
+# attention on a GPU, XLA's dense reference elsewhere ("auto").
+ATTENTIONS = ("auto", "xla", "cudnn")
+# Expert-parallel exchanges (m2jax/model/expert_parallel.py).
+ALL_TO_ALLS = ("auto", "ragged", "dense", "slabs")
+
+
+class SettingsError(UserError, ValueError):
+  """A Settings field holds a value outside its allowed range."""
+
+
+def _fail(field: str, rule: str, value) -> None:
+  raise SettingsError(f"Settings.{field}: {rule} (got {value!r})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+  """How a step runs (see the module docstring). Defaults pick the fastest
+  implementation for the device and never drop a token.
+
+  attention: "auto" | "xla" | "cudnn", for causal and sliding-window rows.
+  tree_attention: backend and tiles of the prefix-tree attention kernels
+    (kernels.tree_attention.TreeAttentionConfig; backend "auto" | "xla" |
+    "mosaic" | "triton"); used by full-attention layers of tree-layout rows.
+  gmm_backend: the experts' grouped matmul, "auto" | "xla" | "mosaic" |
+    "triton" (kernels.gmm.BACKENDS).
+  gmm_tiles: Mosaic tile config for every grouped matmul, or None to pick
+    the widest that fits each shape (kernels.gmm_mosaic.pick_config).
+  interpret: run the chosen Pallas kernels in Pallas' interpreters (CPU
+    tests of the kernel paths); it also sets tree_attention.interpret.
+  all_to_all: expert-parallel exchange, "ragged" (ragged_all_to_all; GPU and
+    TPU), "dense" (its exact emulation; any backend), "slabs" (fixed
+    per-peer slabs sized by capacity_factor; NCCL's all-to-all) or "auto"
+    (ragged unless the backend is CPU).
+  capacity_factor: expert-parallel receive buffer in multiples of a
+    device's average rows (T_local * top_k); 0 sizes it for the worst case
+    so no token is ever dropped; rows past it are dropped and counted
+    (RoutingStats.dropped).
+  exchange_chunks: split each device's tokens into this many independent
+    exchanges (when they divide), so one chunk's all-to-all can overlap
+    another's grouped matmuls.
+  remat: recompute each block's activations in the backward pass (saves
+    activation memory).
+  """
+  attention: str = "auto"
+  tree_attention: TreeAttentionConfig = TreeAttentionConfig()
+  gmm_backend: str = "auto"
+  gmm_tiles: TileConfig | None = None
+  interpret: bool = False
+  all_to_all: str = "auto"
+  capacity_factor: float = 0.0
+  exchange_chunks: int = 1
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      _fail("attention", f"must be one of {ATTENTIONS}", self.attention)
+    if not isinstance(self.tree_attention, TreeAttentionConfig):
+      _fail("tree_attention", "must be a kernels.tree_attention."
+            "TreeAttentionConfig", self.tree_attention)
+    try:
+      gmm_lib.check_backend(self.gmm_backend)
+    except ValueError as e:
+      raise SettingsError(f"Settings.gmm_backend: {e}") from None
+    if self.gmm_tiles is not None and not isinstance(self.gmm_tiles,
+                                                     TileConfig):
+      _fail("gmm_tiles", "must be None or a kernels.gmm_mosaic.TileConfig",
+            self.gmm_tiles)
+    if not isinstance(self.interpret, bool):
+      _fail("interpret", "must be True or False", self.interpret)
+    if self.tree_attention.interpret and not self.interpret:
+      _fail("tree_attention", "interpret is set by Settings.interpret, not "
+            "by the tree-attention config", self.tree_attention)
+    # One switch for both kernels: the tree-attention config carries it.
+    object.__setattr__(self, "tree_attention", dataclasses.replace(
+        self.tree_attention, interpret=self.interpret))
+    if self.all_to_all not in ALL_TO_ALLS:
+      _fail("all_to_all", f"must be one of {ALL_TO_ALLS}", self.all_to_all)
+    if not self.capacity_factor >= 0:
+      _fail("capacity_factor", "must be >= 0", self.capacity_factor)
+    if not isinstance(self.exchange_chunks, int) or self.exchange_chunks < 1:
+      _fail("exchange_chunks", "must be an integer >= 1",
+            self.exchange_chunks)
+    if not isinstance(self.remat, bool):
+      _fail("remat", "must be True or False", self.remat)
+
+  def replace(self, **changes) -> "Settings":
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    """A JSON-ready record of the settings (for a run's config.json)."""
+    return dataclasses.asdict(self)

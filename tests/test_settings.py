@@ -1,0 +1,149 @@
+"""Settings (how a step runs): validation, never saved with the model, part
+of every jit cache key, and the one path from a flag to the layer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+
+from experiments import run_flags
+from kernels.tree_attention import TreeAttentionConfig
+from m2jax import config as config_lib
+from m2jax import model, sharding
+from m2jax.settings import Settings, SettingsError
+
+CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=0)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"attention": "flash"}, "attention"),
+    ({"gmm_backend": "cuda"}, "gmm_backend"),
+    ({"gmm_backend": "pallas"}, "gmm_backend"),
+    ({"all_to_all": "nccl"}, "all_to_all"),
+    ({"capacity_factor": -1.0}, "capacity_factor"),
+    ({"exchange_chunks": 0}, "exchange_chunks"),
+    ({"interpret": "yes"}, "interpret"),
+    ({"tree_attention": "mosaic"}, "tree_attention"),
+    ({"tree_attention": TreeAttentionConfig(interpret=True)},
+     "tree_attention"),
+])
+def test_validation_names_the_field(changes, field):
+  with pytest.raises(SettingsError, match=f"Settings.{field}"):
+    Settings(**changes)
+
+
+def test_interpret_is_one_switch_for_both_kernels():
+  s = Settings(tree_attention=TreeAttentionConfig(backend="triton"),
+               interpret=True)
+  assert s.tree_attention.interpret and s.tree_attention.backend == "triton"
+  assert not Settings().tree_attention.interpret
+
+
+def test_settings_are_not_saved_with_the_model():
+  cfg = CFG.replace(settings=Settings(gmm_backend="xla", remat=True))
+  saved = config_lib.config_to_dict(cfg)
+  assert "settings" not in saved
+  assert config_lib.config_from_dict(config_lib.ModelConfig, saved) == \
+      CFG.replace(settings=Settings())
+  with pytest.raises(config_lib.ConfigError, match="expected FIELD=VALUE"):
+    config_lib.apply_overrides(CFG, ["settings=remat"])
+
+
+def test_settings_are_part_of_the_jit_cache_key():
+  """Two configs that differ only in how they run never share a compiled
+  function: the settings are in the static model config."""
+  traces = []
+
+  def f(cfg, x):
+    traces.append(cfg.settings)
+    return x * 2
+
+  g = jax.jit(f, static_argnums=0)
+  x = jnp.ones(3)
+  a = CFG.replace(settings=Settings(capacity_factor=1.0))
+  b = CFG.replace(settings=Settings(capacity_factor=2.0))
+  g(a, x), g(b, x), g(a, x)
+  assert traces == [a.settings, b.settings]
+  assert hash(a) != hash(b) and a != b
+
+
+def test_remat_setting_reaches_the_blocks():
+  v = model.init(CFG, jax.random.key(0))
+  tokens = jnp.arange(8)[None] % CFG.vocab_size
+
+  def grad_jaxpr(cfg):
+    loss = lambda p: model.logits(cfg, dict(v, params=p), tokens).sum()
+    return str(jax.make_jaxpr(jax.grad(loss))(v["params"]))
+
+  plain = grad_jaxpr(CFG)
+  remat = grad_jaxpr(CFG.replace(settings=Settings(remat=True)))
+  assert "remat" not in plain and "checkpoint" not in plain
+  assert "remat" in remat or "checkpoint" in remat
+
+
+def test_flags_build_the_settings():
+  """--moe_capacity_factor and the other Settings flags arrive in one
+  Settings, the value the model config carries to its layers."""
+  fv = flags.FlagValues()
+  run_flags.define(fv)
+  fv(["prog", "--moe_capacity_factor=1.5", "--all_to_all=slabs",
+      "--exchange_chunks=2", "--gmm_backend=mosaic", "--gmm_tiles=128.64.4",
+      "--tree_attention=mosaic:128.64.64.3", "--attention=xla", "--remat"])
+  s = run_flags.settings_from_flags(fv)
+  assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
+      1.5, "slabs", 2)
+  assert (s.gmm_backend, s.gmm_tiles.tile_n, s.gmm_tiles.stages) == (
+      "mosaic", 128, 4)
+  assert (s.tree_attention.backend, s.tree_attention.mosaic_stages) == (
+      "mosaic", 3)
+  assert s.attention == "xla" and s.remat
+  for bad, field in (("--gmm_tiles=1.2", "--gmm_tiles"),
+                     ("--tree_attention=cuda:1.2", "--tree_attention"),
+                     ("--gmm_backend=cuda", "Settings.gmm_backend")):
+    fv = flags.FlagValues()
+    run_flags.define(fv)
+    fv(["prog", bad])
+    with pytest.raises(SettingsError, match=field):
+      run_flags.settings_from_flags(fv)
+
+
+def test_ragged_decomposer_added_only_where_it_applies():
+  flag = run_flags.RAGGED_DECOMPOSER_FLAG
+  xla_flags_for = run_flags.xla_flags_for
+  assert xla_flags_for("data=2,expert=4", "auto", True) == flag
+  assert xla_flags_for("expert=2", "ragged", True, "--a=1") == \
+      f"--a=1 {flag}"
+  # Not without expert parallelism, another exchange, when switched off, or
+  # when the user already chose a value.
+  for args in (("data=8", "auto", True), ("", "auto", True),
+               ("expert=4", "slabs", True), ("expert=4", "dense", True),
+               ("expert=4", "auto", False)):
+    assert xla_flags_for(*args, "--a=1") == "--a=1", args
+  mine = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
+  assert xla_flags_for("expert=4", "auto", True, mine) == mine
+  with pytest.raises(sharding.MeshError, match="expected AXIS=SIZE"):
+    xla_flags_for("experts=4", "auto", True)
+
+
+def test_gmm_settings_reach_the_experts(monkeypatch):
+  """settings.gmm_backend and gmm_tiles are what the MoE hands the grouped
+  matmul (recorded at the kernels' entry point)."""
+  from kernels import gmm as gmm_lib  # pylint: disable=import-outside-toplevel
+  from m2jax.model import moe  # pylint: disable=import-outside-toplevel
+  seen = []
+  real = gmm_lib.gmm
+
+  def spy(*args, **kwargs):
+    seen.append((kwargs["backend"], kwargs["tiles"], kwargs["interpret"]))
+    return real(*args, **{**kwargs, "backend": "xla", "tiles": None,
+                          "interpret": False})
+
+  monkeypatch.setattr(moe, "gmm", spy)
+  from kernels import gmm_mosaic  # pylint: disable=import-outside-toplevel
+  tiles = gmm_mosaic.TileConfig(tile_n=128)
+  cfg = CFG.replace(settings=Settings(gmm_backend="xla", gmm_tiles=tiles))
+  v = model.init(cfg, jax.random.key(0))
+  out = model.logits(cfg, v, jnp.zeros((1, 4), jnp.int32))
+  assert np.isfinite(np.asarray(out)).all()
+  assert seen and all(s == ("xla", tiles, False) for s in seen)
