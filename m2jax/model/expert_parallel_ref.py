@@ -1,4 +1,4 @@
-"""Numpy reference of the expert-parallel exchange (m2jax.model.expert_parallel).
+"""Numpy reference of the expert-parallel exchange (expert_parallel.py).
 
 `expert_parallel.plan` derives every all-to-all offset from the gathered
 count table with vectorised cumsums, and `expert_parallel.exchange` moves
