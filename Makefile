@@ -27,6 +27,7 @@ demo: venv
 	  --checkpoint_every=200 --workdir=$(DEMO_DIR)
 
 test: venv
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -n 2 tests
 
 clean:

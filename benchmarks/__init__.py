@@ -7,6 +7,10 @@ kernels and the model never import it.
   gmm_cases.py            grouped-matmul problems, candidates and references
   tree_attention_cases.py tree-attention layouts, candidates, kernel passes
   exchange.py             one expert-parallel exchange on n GPUs, timed
+  rl_samples.py           synthetic GRPO groups and agent trajectories with
+                          their rollout payloads (the merged RL step's input)
+  tokamax_ops.py          tokamax's kernels with tile configs and q_end
+                          masks: the one module using private upstream names
 FLOPs are counted in m2jax/params.py. Notes and results of past runs live in
 notes/ and results/.
 """

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import tokamax_ops
 from kernels import gmm as gmm_lib
 from kernels import gmm_mosaic
 
@@ -109,17 +110,9 @@ def xla_fwdbwd():
   return f
 
 
-def tokamax_op(config=None):
-  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as tk
-  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as tkc
-  if config is None:
-    return tk.PallasMosaicGpuRaggedDot()
-  return tk.PallasMosaicGpuRaggedDot(config=tkc.Config(**config))
-
-
 def tokamax_fwd(config=None):
   import tokamax
-  op = tokamax_op(config)
+  op = tokamax_ops.ragged_dot_op(config)
 
   def f(x, w, gs, cot):
     del cot
@@ -130,7 +123,7 @@ def tokamax_fwd(config=None):
 def tokamax_fwdbwd(config=None):
   """Forward with `config`; tokamax's own VJP (its default configs)."""
   import tokamax
-  op = tokamax_op(config)
+  op = tokamax_ops.ragged_dot_op(config)
 
   def f(x, w, gs, cot):
     out, vjp = jax.vjp(

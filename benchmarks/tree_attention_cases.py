@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import tokamax_ops
 from kernels import tree_attention as ta
 
 
@@ -49,15 +50,8 @@ def cudnn_causal(backward=False):
 def tokamax_q_end(subtree_end, implementation: str, backward=False):
   """tokamax's flash attention with a per-key q_end mask (its own form of
   the same interval: key j is read by queries < q_end[j], causal)."""
-  from tokamax._src.ops.attention import base  # pylint: disable=g-import-not-at-top
-  if implementation == "mosaic":
-    from tokamax._src.ops.attention import pallas_mosaic_gpu as impl  # pylint: disable=g-import-not-at-top
-    op = impl.PallasMosaicGpuFlashAttention()
-  else:
-    from tokamax._src.ops.attention import pallas_triton as impl  # pylint: disable=g-import-not-at-top
-    op = impl.PallasTritonFlashAttention()
-  mask = base.Mask(q_end=jnp.asarray(subtree_end)[:, None, :], is_causal=True)
-  attn = lambda q, k, v: op(q, k, v, mask=mask)
+  attn = tokamax_ops.flash_attention_q_end(
+      implementation, jnp.asarray(subtree_end)[:, None, :])
   return _fwdbwd(attn) if backward else (lambda q, k, v, do: attn(q, k, v))
 
 

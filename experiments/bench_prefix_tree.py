@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import rl_samples
 from benchmarks import timing
 from benchmarks import tree_attention_cases as tb
 from experiments import cli
@@ -228,44 +229,18 @@ def _best_tiles(rows, failed):
 
 # ----------------------------------------------------------------- model ---
 
-def _grpo_samples(rng, vocab):
-  """(sequences, loss masks, group ids): each group one prompt and G
-  responses; the responses are trained."""
-  groups, G, prompt, resp = (int(x) for x in _GRPO.value.split("x"))
-  seqs, masks, group_ids = [], [], []
-  for g in range(groups):
-    p = rng.integers(1, vocab, prompt)
-    for _ in range(G):
-      seqs.append(np.concatenate([p, rng.integers(1, vocab, resp)]))
-      masks.append(np.arange(prompt + resp) >= prompt)
-      group_ids.append(g)
-  return seqs, masks, group_ids
-
-
-def _agent_samples(rng, vocab):
-  """Sample t = state_t + action_t; state_{t+1} = state_t + action_t + obs_t;
-  the actions are trained, each trajectory is a group. The last
-  trajectory's context is rewritten once (at 3/4 of its steps): the state
-  keeps its first half plus a summary (1/16 of its length), so its chain
-  branches there."""
-  seqs, masks, group_ids = [], [], []
-  for i, steps in enumerate(int(s) for s in _AGENT_STEPS.value):
-    rewrite = (3 * steps // 4 if _AGENT_REWRITE.value
-               and i == len(_AGENT_STEPS.value) - 1 else None)
-    growth = (_AGENT_FINAL.value - _AGENT_START.value) // steps
-    state = rng.integers(1, vocab, _AGENT_START.value)
-    for t in range(steps):
-      n_act = int(growth * rng.uniform(0.2, 0.4))
-      action = rng.integers(1, vocab, n_act)
-      seqs.append(np.concatenate([state, action]))
-      masks.append(np.arange(len(state) + n_act) >= len(state))
-      group_ids.append(i)
-      state = np.concatenate([state, action,
-                              rng.integers(1, vocab, growth - n_act)])
-      if t == rewrite:
-        state = np.concatenate([state[:len(state) // 2],
-                                rng.integers(1, vocab, len(state) // 16)])
-  return seqs, masks, group_ids
+def _samplers():
+  """{model case: rng, vocab -> (sequences, loss masks, group ids)}."""
+  groups, size, prompt, resp = (int(x) for x in _GRPO.value.split("x"))
+  return {
+      "a_grpo": functools.partial(
+          rl_samples.grpo_samples, groups=groups, group_size=size,
+          prompt_len=prompt, response_len=resp),
+      "b_agent": functools.partial(
+          rl_samples.agent_samples,
+          steps=[int(s) for s in _AGENT_STEPS.value],
+          start_len=_AGENT_START.value, final_len=_AGENT_FINAL.value,
+          rewrite_last=_AGENT_REWRITE.value)}
 
 
 def _model_config(ffn: str, settings: Settings):
@@ -277,19 +252,6 @@ def _model_config(ffn: str, settings: Settings):
     cfg = cfg.replace(ffn_type="dense", dense_intermediate_size=(
         cfg.num_experts_per_tok * cfg.moe_intermediate_size))
   return cfg
-
-
-def _payloads(rng, seqs, group_ids, vocab):
-  """Rollout log-probs near the initial model's (about -log V) and
-  group-relative advantages of random rewards, per token."""
-  rewards = rng.random(len(seqs))
-  adv = np.zeros(len(seqs), np.float32)
-  for g in set(group_ids):
-    members = [i for i, x in enumerate(group_ids) if x == g]
-    adv[members] = cispo.group_advantages(rewards[members])
-  return {"old_logprobs": [rng.normal(-np.log(vocab), 0.5, len(s))
-                           for s in seqs],
-          "advantages": [np.full(len(s), a) for s, a in zip(seqs, adv)]}
 
 
 def _time_layout(step, params, bias, batches):
@@ -315,7 +277,7 @@ def _time_model(results, settings: Settings, ffn: str):
   rng = np.random.default_rng(0)
   variables = model.init(cfg, jax.random.key(0))
   params, bias = variables["params"], variables.get(model.EXPERT_BIAS, {})
-  samplers = {"a_grpo": _grpo_samples, "b_agent": _agent_samples}
+  samplers = _samplers()
   unknown = set(_MODEL_CASES.value) - set(samplers)
   if unknown:
     raise ValueError(f"--model_cases: unknown {sorted(unknown)}, "
@@ -324,7 +286,8 @@ def _time_model(results, settings: Settings, ffn: str):
   max_len = max(len(s) for _, (seqs, _, _) in cases for s in seqs)
   layouts = {}
   for case, (seqs, masks, group_ids) in cases:
-    payloads = _payloads(rng, seqs, group_ids, cfg.vocab_size)
+    payloads = rl_samples.rollout_payloads(rng, seqs, group_ids,
+                                           cfg.vocab_size)
     layouts[case] = {
         name: pt.pack(seqs, row_len=_ROW_LEN.value, merge=merge,
                       loss_masks=masks, payloads=payloads, max_len=max_len)

@@ -3,27 +3,23 @@
   python -m experiments.recall_check --pairs=4 --steps=1500 \
       --override=hidden_size=128 --override=num_layers=2
 
-Each sequence lists `pairs` random two-letter keys with two-digit values
-("ab:12 cd:34 ..."), then every key again in a new order with its value: the
-second occurrence of each value can only be predicted by finding its key
-earlier in the sequence (induction-style retrieval, the skill behind the
-needle-in-a-haystack tasks of m2jax.eval). Trains the jitted train step on
-fresh sequences and prints the accuracy on the queried value digits (0.1 is
-chance). A quick check of whether a sweep's model can retrieve at all before
-spending GPU time on it (benchmarks/results/ablations/README.md).
+Trains the jitted train step on fresh associative-recall sequences
+(m2jax.eval.recall: `pairs` key:value pairs, then every key again with its
+value) and prints the accuracy on the queried value digits (0.1 is chance).
+A quick check of whether a sweep's model can retrieve at all before spending
+GPU time on it (benchmarks/results/ablations/README.md).
 """
 
 import time
 
 from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model
-from m2jax.data import single_document_batch
+from m2jax.eval.recall import recall_accuracy, recall_batch
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -37,37 +33,6 @@ flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
 flags.DEFINE_integer("eval_every", 200, "Steps between accuracy checks.")
 flags.DEFINE_integer("seed", 0, "Data and init seed.")
-
-_COLON, _SPACE, _BOS = ord(":"), ord(" "), 1
-
-
-def recall_batch(rng, batch_size: int, pairs: int):
-  """(batch dict, mask of the queried value tokens [B, T])."""
-  rows, masks = [], []
-  for _ in range(batch_size):
-    keys = set()
-    while len(keys) < pairs:
-      keys.add(tuple(rng.integers(ord("a"), ord("z") + 1, 2)))
-    keys = list(keys)
-    values = [tuple(rng.integers(ord("0"), ord("9") + 1, 2)) for _ in keys]
-    tokens, mask = [_BOS], [0]
-    for k, v in zip(keys, values):
-      tokens += [*k, _COLON, *v, _SPACE]
-      mask += [0] * 6
-    for i in rng.permutation(pairs):
-      tokens += [*keys[i], _COLON, *values[i], _SPACE]
-      mask += [0, 0, 0, 1, 1, 0]
-    rows.append(tokens)
-    masks.append(mask)
-  return single_document_batch(rows), np.asarray(masks, bool)
-
-
-def recall_accuracy(mcfg, variables, batch, mask) -> float:
-  logits = model.logits(mcfg, variables, batch["tokens"],
-                        segment_ids=batch["segment_ids"])
-  pred = np.asarray(jnp.argmax(logits, -1))
-  hit = pred[:, :-1] == batch["tokens"][:, 1:]
-  return float(hit[mask[:, 1:]].mean())
 
 
 def main(argv):

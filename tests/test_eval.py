@@ -6,7 +6,7 @@ import pytest
 
 from m2jax import config as config_lib
 from m2jax import model
-from m2jax.eval import scoring, tasks
+from m2jax.eval import recall, scoring, tasks
 from m2jax.infer import sample
 
 CFG = config_lib.TINY.replace(num_mtp_modules=0)
@@ -95,9 +95,8 @@ def test_exact_match_agrees_with_greedy_decoding():
   np.testing.assert_array_equal(got, [True, False] * 3)
 
 
-def test_recall_check_batches_query_listed_values():
-  from experiments import recall_check  # pylint: disable=import-outside-toplevel
-  batch, mask = recall_check.recall_batch(np.random.default_rng(0), 3, 5)
+def test_recall_batches_query_listed_values():
+  batch, mask = recall.recall_batch(np.random.default_rng(0), 3, 5)
   for row, m in zip(batch["tokens"], mask):
     text = bytes(row[1:].tolist()).decode()
     listed = dict(p.split(":") for p in text.split()[:5])

@@ -28,7 +28,7 @@ def _stats(experts, scores, doc_ids, num_experts):
   experts = np.reshape(experts, (-1, np.shape(experts)[-1]))
   routing = moe.Routing(jnp.asarray(scores, jnp.float32),
                         jnp.asarray(experts, jnp.int32), None)
-  return moe.routing_stats(routing, jnp.asarray(doc_ids), num_experts)
+  return moe.summarize_routing(routing, jnp.asarray(doc_ids), num_experts)
 
 
 # ---------------------------------------------------------------------------
@@ -111,11 +111,11 @@ def test_aux_loss_matches_numpy_reference_on_random_routing():
   routing = moe.route(x, router, None, top_k=K, gating="sigmoid", scaling=1.0)
   ids = rng.choice([0, 1, 2, 5, 1000], size=(B, T))
   ids[2] = 0                                       # an all-padding row
-  stats = moe.routing_stats(routing, jnp.asarray(ids), E)
+  stats = moe.summarize_routing(routing, jnp.asarray(ids), E)
   want = _numpy_aux(np.asarray(routing.experts_TxK),
                     np.asarray(routing.scores_TxE, np.float64), ids, E)
   np.testing.assert_allclose(stats.aux_loss, want, rtol=1e-5)
-  empty = moe.routing_stats(routing, jnp.zeros((B, T), jnp.int32), E)
+  empty = moe.summarize_routing(routing, jnp.zeros((B, T), jnp.int32), E)
   assert float(empty.aux_loss) == 0.0
 
 
@@ -172,6 +172,17 @@ def test_model_aux_loss_is_the_mean_over_packed_documents():
 
 # ---------------------------------------------------------------------------
 # The MTP routers' aux loss in the objective
+
+def test_measure_routing_counts_each_real_token_of_every_layer():
+  """model.measure_routing runs the whole forward: K choices per counted
+  token in each main layer's load, padding not counted."""
+  stats = model.measure_routing(CFG, _variables(CFG),
+                                _row_batch(CFG)["tokens"], segment_ids=ROW_SEG)
+  K, L = CFG.num_experts_per_tok, CFG.num_layers
+  assert stats.load_E.shape == (L, CFG.num_experts)
+  assert stats.aux_loss.shape == stats.entropy.shape == (L,)
+  np.testing.assert_array_equal(stats.load_E.sum(-1), [19 * K] * L)
+
 
 def test_mtp_aux_loss_reaches_the_total_loss():
   cfg = CFG

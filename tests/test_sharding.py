@@ -4,7 +4,8 @@ The multi-device checks run tests/sharding_check.py once, in its own process
 with 8 fake CPU devices (the rest of the suite keeps one device), and assert
 on the differences it reports: sharded forward, loss and gradients against
 one device for four meshes; the training loop on a mesh; a checkpoint
-restored onto another mesh; the drop counter.
+restored onto another mesh; the drop counter; the exchange against its numpy
+reference (the plan alone, on one device: tests/test_expert_parallel.py).
 """
 
 import json
@@ -18,7 +19,6 @@ import pytest
 
 from m2jax import config as config_lib
 from m2jax import model, sharding
-from m2jax.model import expert_parallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -69,82 +69,6 @@ def test_rules_cover_every_logical_name():
   assert set(rules["act_tokens"]) == {"data", "fsdp", "expert"}
 
 
-def _simulate(counts, capacity):
-  """Per-receiver arrival simulation of the all-to-all plan."""
-  n, e = counts.shape
-  l = e // n
-  kept = np.zeros((n, n, l), int)          # [source, dest, local expert]
-  for d in range(n):
-    room = capacity
-    for s in range(n):
-      for j in range(l):
-        kept[s, d, j] = min(room, counts[s, d * l + j])
-        room -= kept[s, d, j]
-  return kept
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_all_to_all_plan_matches_simulation(seed):
-  rng = np.random.default_rng(seed)
-  n, e, t, k = 4, 8, 12, 3
-  counts = np.zeros((n, e), int)
-  for s in range(n):                       # t tokens, k distinct experts each
-    skew = rng.dirichlet(np.full(e, 0.3))
-    for _ in range(t):
-      counts[s, rng.choice(e, k, replace=False, p=skew)] += 1
-  for capacity in (expert_parallel.buffer_rows(t, k, e, n, 0.0), 20, 7):
-    kept = _simulate(counts, capacity)
-    sent = kept.sum(-1)
-    for me in range(n):
-      p = expert_parallel.plan(counts, me, capacity)
-      full = counts[me].reshape(n, -1).sum(-1)
-      np.testing.assert_array_equal(p.send_sizes, sent[me])
-      np.testing.assert_array_equal(p.input_offsets,
-                                    np.cumsum(full) - full)
-      np.testing.assert_array_equal(p.recv_sizes, sent[:, me])
-      np.testing.assert_array_equal(
-          p.output_offsets, [sent[:me, d].sum() for d in range(n)])
-      np.testing.assert_array_equal(p.kept_SxL, kept[:, me])
-      assert int(p.dropped) == counts[me].sum() - sent[me].sum()
-      assert sent[:, me].sum() <= capacity
-    if capacity == expert_parallel.buffer_rows(t, k, e, n, 0.0):
-      assert (kept.sum((1, 2)) == counts.sum(1)).all()  # nothing dropped
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_slab_plan_keeps_at_most_a_slab_per_pair(seed):
-  rng = np.random.default_rng(seed)
-  n, e, t, k = 4, 8, 12, 3
-  counts = rng.multinomial(t * k, np.full(e, 1 / e), size=n)
-  for slab in (expert_parallel.slab_rows(t, k, e, n, 0.0), 9, 4):
-    # Per pair, the first rows in expert order fit, the tail is dropped.
-    per = counts.reshape(n, n, e // n)
-    kept = np.clip(slab - (np.cumsum(per, -1) - per), 0, per)
-    for me in range(n):
-      p = expert_parallel.plan(counts, me, n * slab, slab=slab)
-      np.testing.assert_array_equal(p.kept_SxL, kept[:, me])
-      np.testing.assert_array_equal(p.send_sizes, kept[me].sum(-1))
-      np.testing.assert_array_equal(p.recv_sizes, kept[:, me].sum(-1))
-      np.testing.assert_array_equal(p.output_offsets, np.full(n, me * slab))
-      np.testing.assert_array_equal(p.recv_offsets, np.arange(n) * slab)
-      assert int(p.dropped) == counts[me].sum() - kept[me].sum()
-    if slab == expert_parallel.slab_rows(t, k, e, n, 0.0):
-      assert (kept.sum(-1) == per.sum(-1)).all()  # worst case: no drops
-  assert expert_parallel.slab_rows(t, k, e, n, 1.0) == 16  # ceil(9 / 8) * 8
-
-
-def test_worst_case_buffer_holds_the_worst_routing():
-  # Every token of every device picks the same device's experts.
-  n, e, t, k = 4, 16, 10, 3
-  counts = np.zeros((n, e), int)
-  counts[:, :k] = t
-  cap = expert_parallel.buffer_rows(t, k, e, n, 0.0)
-  assert cap == n * t * k
-  assert all(int(expert_parallel.plan(counts, me, cap).dropped) == 0
-             for me in range(n))
-  assert expert_parallel.buffer_rows(t, k, e, n, 1.0) < cap
-
-
 # Eight fake devices, one subprocess ------------------------------------------
 
 
@@ -155,6 +79,10 @@ def report():
       # Compile time dominates on CPU; the arrays are tiny.
       "--xla_backend_optimization_level=0 "
       "--xla_llvm_disable_expensive_passes=true"))
+  # The script's own directory heads sys.path, not ROOT: without this the
+  # child imports whichever m2jax is installed, not the one under test.
+  env["PYTHONPATH"] = os.pathsep.join(
+      [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tests", "sharding_check.py")],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,

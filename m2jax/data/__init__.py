@@ -5,6 +5,8 @@
                 files or packages (the long-context source) as documents
   tokenizer.py  the Tokenizer protocol and the byte tokenizer (default)
   bpe.py        optional byte-level BPE trained with HF `tokenizers`
+  tokenizer_files.py
+                the file naming a saved tokenizer's kind (both kinds write it)
   packing.py    the batch format, next_token_targets, bytes per target
   pipeline.py   grain pipelines: make_tokenizer, make_dataset, make_iterator,
                 next_stage_start (context stages continue one stream)

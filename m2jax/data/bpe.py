@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from m2jax.data import tokenizer as tokenizer_lib
+from m2jax.data import tokenizer_files
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
 MODEL_FILE = "tokenizer.json"
@@ -71,8 +71,7 @@ class BpeTokenizer:
     tmp = os.path.join(directory, MODEL_FILE + ".tmp")
     self._hf.save(tmp)
     os.replace(tmp, os.path.join(directory, MODEL_FILE))
-    tokenizer_lib._write_config(  # pylint: disable=protected-access
-        directory, {"kind": self.kind, "vocab_size": self.vocab_size})
+    tokenizer_files.write_config(directory, self.kind, self.vocab_size)
 
   @classmethod
   def load(cls, directory: str) -> BpeTokenizer:

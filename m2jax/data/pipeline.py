@@ -55,6 +55,7 @@ from m2jax.config import ConfigError
 from m2jax.data import corpus
 from m2jax.data import packing
 from m2jax.data import tokenizer as tokenizer_lib
+from m2jax.data import tokenizer_files
 from m2jax.data.config import DataConfig
 
 SPLITS = ("train", "validation")
@@ -73,7 +74,7 @@ def make_tokenizer(config: DataConfig, directory: str | None = None
   A saved tokenizer that disagrees with `config` is refused.
   """
   if directory is not None and os.path.exists(
-      os.path.join(directory, tokenizer_lib.CONFIG_FILE)):
+      os.path.join(directory, tokenizer_files.CONFIG_FILE)):
     tok = tokenizer_lib.load_tokenizer(directory)
     if tok.kind != config.tokenizer:
       raise ConfigError(f"DataConfig.tokenizer: {config.tokenizer!r}, but "

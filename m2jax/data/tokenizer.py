@@ -9,18 +9,19 @@ Byte tokenizer ids:
 
 The optional byte-level BPE tokenizer (m2jax/data/bpe.py) follows the same
 protocol with PAD/BOS/EOS = 0/1/2. A tokenizer is saved into a directory with
-the run (`save`) and `load_tokenizer` restores either kind from it.
+the run (`save`; the shared format: m2jax/data/tokenizer_files.py) and
+`load_tokenizer` restores either kind from it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-CONFIG_FILE = "tokenizer_config.json"
+from m2jax.data import bpe
+from m2jax.data import tokenizer_files
 
 
 @runtime_checkable
@@ -76,8 +77,7 @@ class ByteTokenizer:
 
   def save(self, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    _write_config(directory, {"kind": self.kind,
-                              "vocab_size": self.vocab_size})
+    tokenizer_files.write_config(directory, self.kind, self.vocab_size)
 
   def __eq__(self, other) -> bool:
     return isinstance(other, ByteTokenizer)
@@ -98,22 +98,10 @@ def encode_document(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 def load_tokenizer(directory: str) -> Tokenizer:
   """Restores a tokenizer written by `save` (byte or BPE)."""
-  path = os.path.join(directory, CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"no tokenizer saved in {directory!r} "
-                            f"({CONFIG_FILE} missing)")
-  with open(path) as f:
-    kind = json.load(f).get("kind")
+  kind = tokenizer_files.read_kind(directory)
   if kind == "byte":
     return ByteTokenizer()
   if kind == "bpe":
-    from m2jax.data import bpe  # pylint: disable=g-import-not-at-top
     return bpe.BpeTokenizer.load(directory)
-  raise ValueError(f"{path}: unknown tokenizer kind {kind!r}")
-
-
-def _write_config(directory: str, config: dict) -> None:
-  tmp = os.path.join(directory, CONFIG_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(config, f, indent=2)
-  os.replace(tmp, os.path.join(directory, CONFIG_FILE))
+  raise ValueError(f"{os.path.join(directory, tokenizer_files.CONFIG_FILE)}: "
+                   f"unknown tokenizer kind {kind!r}")

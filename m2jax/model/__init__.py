@@ -32,7 +32,7 @@ from m2jax.model.transformer import ModelOutput, Transformer
 __all__ = [
     "EXPERT_BIAS", "ModelOutput", "Routing", "RoutingStats", "Transformer",
     "forward", "init", "logical_axes", "logits", "mtp_logits", "route",
-    "routing_stats", "shift_left", "update_expert_bias",
+    "measure_routing", "shift_left", "update_expert_bias",
     "update_expert_biases",
 ]
 
@@ -102,9 +102,10 @@ def mtp_logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
                  positions=positions, mtp_depth=depth).mtp_logits
 
 
-def routing_stats(config: ModelConfig, variables, tokens_BxT, *,
-                  segment_ids=None, positions=None) -> RoutingStats | None:
-  """Per-layer routing statistics ([L, E] load, [L] aux loss and entropy)."""
+def measure_routing(config: ModelConfig, variables, tokens_BxT, *,
+                    segment_ids=None, positions=None) -> RoutingStats | None:
+  """Runs the forward pass and returns its per-layer routing statistics
+  ([L, E] load, [L] aux loss and entropy; None without MoE layers)."""
   return forward(config, variables, tokens_BxT, segment_ids=segment_ids,
                  positions=positions).routing
 

@@ -26,7 +26,7 @@ gmm_tiles, interpret, all_to_all, capacity_factor and exchange_chunks.
 The expert bias lives in the non-trainable collection "expert_bias"; it is
 updated outside the gradient by `update_expert_bias` from the per-expert
 load the model returns (DeepSeek-V3's aux-loss-free balancing). The small
-sequence-wise balance loss that remains (`routing_stats`) treats each
+sequence-wise balance loss that remains (`summarize_routing`) treats each
 document (segment) of a packed row as its own sequence.
 """
 
@@ -98,8 +98,8 @@ def document_slots(doc_ids_BxT):
   return jnp.take_along_axis(rank, jnp.argsort(order, axis=1), axis=1)
 
 
-def routing_stats(routing: Routing, doc_ids_BxT, num_experts: int,
-                  dropped=None) -> RoutingStats:
+def summarize_routing(routing: Routing, doc_ids_BxT, num_experts: int,
+                      dropped=None) -> RoutingStats:
   """Load per expert, the sequence-wise aux loss and the router entropy.
 
   `doc_ids_BxT` are the segment ids of the tokens that count (0 = not
@@ -325,7 +325,7 @@ class MoE(nn.Module):
                                    settings=cfg.settings)
     y = y.astype(cdt).reshape(B, T, D)
     doc_ids = jnp.where(valid_BxT, segment_ids_BxT, 0)
-    stats = routing_stats(routing, doc_ids, E, dropped)
+    stats = summarize_routing(routing, doc_ids, E, dropped)
     return constrain(y, ("act_batch", "act_length", "act_embed")), stats
 
 

@@ -85,6 +85,15 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
                                           CORRUPT_DIR)
+    # The unfinished steps of a killed run (orbax's temporary directories)
+    # are removed here, on the primary host as orbax would, and before the
+    # manager lists the steps. Not by orbax's cleanup_tmp_directories: it
+    # runs in a background thread that no public call waits for, and a run
+    # refused right after this (e.g. a resume with another config) would
+    # exit under it, the thread printing a traceback.
+    if jax.process_index() == 0:
+      for tmp in ocp.path.step.all_temporary_paths(self.directory):
+        tmp.get().rmtree()
     # Handlers named up front so that meta and the state's tree metadata can
     # be read alone, before (and instead of) restoring a state.
     self._manager = ocp.CheckpointManager(
@@ -93,14 +102,7 @@ class Checkpointer:
                        "data": ocp.JsonCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False,
-            cleanup_tmp_directories=True))
-    # Orbax clears the unfinished steps of a killed run in a background
-    # thread: wait for it, or a run refused right after this (e.g. a resume
-    # with another config) exits under it and the thread prints a traceback.
-    # (orbax 0.12.8 has no public call for it; setup.cfg pins that version.)
-    # pylint: disable-next=protected-access
-    self._manager._maybe_await_cleanup_tmp_directory()
+            max_to_keep=keep, enable_async_checkpointing=False))
 
   def steps(self) -> list[int]:
     return sorted(self._manager.all_steps())

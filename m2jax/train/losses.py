@@ -4,7 +4,7 @@
          + w_mtp * (mean_k CE_k(token t+k+1) + aux_coef * mean_mtp_blocks(aux))
          + z_coef * mean(logsumexp^2)
 
-Every router that ran pays the balance loss (moe.routing_stats: the
+Every router that ran pays the balance loss (moe.summarize_routing: the
 sequence-wise loss, mean over documents) at the weight of the loss its
 module trains on: the main layers' at w_main (1, or 0 while the MTP
 modules grow alone), the MTP blocks' at w_mtp, averaged over the blocks of
