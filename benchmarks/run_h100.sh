@@ -6,6 +6,10 @@
 #   bash benchmarks/run_h100.sh gmm        grouped matmul vs peers (issue 3)
 #   bash benchmarks/run_h100.sh pretrain   a short real run of m2_small on the
 #                                          embedded corpus (grain on the GPU host)
+#   bash benchmarks/run_h100.sh gpu_tests  the tests that need a GPU (compiled
+#                                          kernels, tokamax's private names)
+#   bash benchmarks/run_h100.sh prefix_attention | prefix_model | prefix_agent128
+#                                          experiments.bench_prefix_tree sections
 # Carry .whl (grain, array_record, portpicker, tensorboardX) and .peers
 # (tokamax; see ../shared/wheels); results land in $OUT.
 set -uo pipefail
@@ -13,6 +17,7 @@ OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   .whl/*.whl .peers/*.whl >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.peers/stub:$PWD PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { grep -v '^[IW][0-9]\{4\} '; }
 case "${1:-train}" in
@@ -30,5 +35,21 @@ case "${1:-train}" in
       --warmup_steps=5 --sample_tokens=0 --workdir=/tmp/gpu_run 2>&1 \
       | tr '\r' '\n' | grep -v 'pretrain:' | quiet | tail -8
     cp /tmp/gpu_run/metrics.jsonl $OUT/pretrain_m2_small_metrics.jsonl ;;
-  *) echo "unknown stage $1 (train, gmm, pretrain)"; exit 2 ;;
+  gpu_tests)
+    timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gmm.py::test_compiled_kernels_on_gpu tests/test_private_api.py \
+      2>&1 | tail -15 ;;
+  prefix_attention)
+    timeout 560 python3 -m experiments.bench_prefix_tree \
+      --sections=attention,kernels --out=$OUT/prefix_tree_attention_h100.json \
+      2>&1 | quiet | tail -40 ;;
+  prefix_model)
+    timeout 560 python3 -m experiments.bench_prefix_tree --sections=model \
+      --out=$OUT/prefix_tree_model_h100.json 2>&1 | quiet | tail -20 ;;
+  prefix_agent128)
+    timeout 560 python3 -m experiments.bench_prefix_tree --sections=model \
+      --model_cases=b_agent --agent_steps=128 --noagent_rewrite \
+      --out=$OUT/prefix_tree_agent128_h100.json 2>&1 | quiet | tail -20 ;;
+  *) echo "unknown stage $1 (train, gmm, pretrain, gpu_tests, prefix_attention,"\
+       "prefix_model, prefix_agent128)"; exit 2 ;;
 esac
