@@ -12,7 +12,9 @@ Backends (the same names as kernels/tree_attention.py: each names a lowering):
             specialised) with a custom VJP: dlhs = gmm(grad, rhs^T),
             drhs = tgmm(lhs, grad).
   "triton"  the portable Pallas kernels of the same row schedule
-            (kernels/gmm_triton.py), same custom VJP; any CUDA GPU.
+            (kernels/gmm_triton.py), same custom VJP; interpret=True only
+            (the CPU check of the tiling: Triton fails to compile its
+            dynamic loop bounds on an H100 with jax 0.11.2).
   "auto"    "mosaic" where it runs (a GPU, or interpret=True) and the shapes
             suit it, else "xla".
 `interpret=True` runs the chosen Pallas backend on CPU (slow, tiny shapes):
@@ -101,6 +103,12 @@ def _resolve(backend, interpret, tiles, lhs, k, n, n_multiple=64):
         f"N % {n_multiple} == 0; got {lhs.dtype}, K={k}, N={n}")
   if not runs:
     raise ValueError(f"gmm backend={backend!r} needs a GPU or interpret=True")
+  if backend == "triton" and not interpret:
+    raise ValueError(
+        "gmm backend='triton' (kernels/gmm_triton.py, the portable check of "
+        "the row schedule) runs only with interpret=True: Triton rejects its "
+        "compiled form (dynamic loop bounds; H100, jax 0.11.2); use 'mosaic' "
+        "or 'xla' on a GPU")
   return _Kernels(backend, interpret, tiles)
 
 

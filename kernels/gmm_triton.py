@@ -4,10 +4,13 @@ Same row schedule as `gmm_mosaic` (row tiles of 128 from each group's first
 row rounded down to 8, zero-fill tiles past sum(group_sizes), 64-row
 contraction blocks for the weight gradient), written with plain refs, jnp
 ops and a masked store. `interpret=True` runs it in Pallas' portable
-interpreter on any host (the tests' CPU check of the tiling); on a GPU it
-compiles through Pallas' Triton lowering (any CUDA GPU, not only Hopper).
-It is the simple variant of the same schedule: no TMA ring, no warp
-specialisation; tiles of at most 128 x 128.
+interpreter on any host: the tests' CPU check of the tiling. It lowers for
+CUDA (tests/test_gmm.py checks that), but on an H100 with jax 0.11.2
+Triton refuses to compile it ("scf.for op failed to verify that all of
+{lowerBound, upperBound, step} have same type": the loops' trip counts are
+read from the schedule at run time), so kernels/gmm.py runs it only when
+interpreting. It is the simple variant of the same schedule: no TMA ring,
+no warp specialisation; tiles of at most 128 x 128.
 
 Neighbouring row tiles overlap (a group's first tile starts up to 7 rows
 early), so each tile stores only its own rows [lo, hi), under a mask: a
