@@ -300,6 +300,11 @@ def _parse_value(field: dataclasses.Field, current, text: str):
   return text
 
 
+# ModelConfig fields that became Settings fields (m2jax.settings).
+_MOVED_TO_SETTINGS = {"gmm_backend": "gmm_backend",
+                      "attention_impl": "attention", "remat": "remat"}
+
+
 def apply_overrides(config, overrides) -> object:
   """`config` with "field=value" strings applied (validated again).
 
@@ -311,6 +316,11 @@ def apply_overrides(config, overrides) -> object:
   for item in overrides or ():
     name, sep, text = item.partition("=")
     name = name.strip()
+    if sep and name in _MOVED_TO_SETTINGS:
+      raise ConfigError(
+          f"override {item!r}: {name} says how a step runs, not what the "
+          f"model is: set Settings.{_MOVED_TO_SETTINGS[name]} (the "
+          f"--{_MOVED_TO_SETTINGS[name]} flag of the training scripts)")
     if not sep or name not in fields:
       raise ConfigError(
           f"override {item!r}: expected FIELD=VALUE with FIELD one of "

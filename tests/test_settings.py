@@ -48,6 +48,9 @@ def test_settings_are_not_saved_with_the_model():
       CFG.replace(settings=Settings())
   with pytest.raises(config_lib.ConfigError, match="expected FIELD=VALUE"):
     config_lib.apply_overrides(CFG, ["settings=remat"])
+  # The old ModelConfig fields point at their new home.
+  with pytest.raises(config_lib.ConfigError, match="Settings.attention"):
+    config_lib.apply_overrides(CFG, ["attention_impl=xla"])
 
 
 def test_settings_are_part_of_the_jit_cache_key():
