@@ -20,6 +20,7 @@ record what the model is, and each run chooses how to execute it
 Where each field is read:
   attention        m2jax/model/attention.py (causal and sliding-window rows)
   tree_attention   m2jax/model/attention.py -> kernels/tree_attention.py
+  paged_attention  m2jax/model/attention.py -> kernels/paged_attention.py
   gmm_backend, gmm_tiles
                    m2jax/model/moe.py -> kernels/gmm.py
   interpret        both kernels (Pallas interpreters on a CPU)
@@ -34,6 +35,7 @@ import dataclasses
 
 from kernels import gmm as gmm_lib
 from kernels.gmm_mosaic import TileConfig
+from kernels.paged_attention import PagedAttentionConfig
 from kernels.tree_attention import TreeAttentionConfig
 from m2jax.errors import UserError
 
@@ -61,6 +63,8 @@ class Settings:
   tree_attention: backend and tiles of the prefix-tree attention kernels
     (kernels.tree_attention.TreeAttentionConfig; backend "auto" | "xla" |
     "mosaic" | "triton"); used by full-attention layers of tree-layout rows.
+  paged_attention: backend and tiles of the decode attention over the paged
+    KV cache (kernels.paged_attention.PagedAttentionConfig); generation.
   gmm_backend: the experts' grouped matmul, "auto" | "xla" | "mosaic" |
     "triton" (kernels.gmm.BACKENDS).
   gmm_tiles: Mosaic tile config for every grouped matmul, or None to pick
@@ -83,6 +87,7 @@ class Settings:
   """
   attention: str = "auto"
   tree_attention: TreeAttentionConfig = TreeAttentionConfig()
+  paged_attention: PagedAttentionConfig = PagedAttentionConfig()
   gmm_backend: str = "auto"
   gmm_tiles: TileConfig | None = None
   interpret: bool = False
@@ -110,9 +115,16 @@ class Settings:
     if self.tree_attention.interpret and not self.interpret:
       _fail("tree_attention", "interpret is set by Settings.interpret, not "
             "by the tree-attention config", self.tree_attention)
-    # One switch for both kernels: the tree-attention config carries it.
-    object.__setattr__(self, "tree_attention", dataclasses.replace(
-        self.tree_attention, interpret=self.interpret))
+    if not isinstance(self.paged_attention, PagedAttentionConfig):
+      _fail("paged_attention", "must be a kernels.paged_attention."
+            "PagedAttentionConfig", self.paged_attention)
+    if self.paged_attention.interpret and not self.interpret:
+      _fail("paged_attention", "interpret is set by Settings.interpret, not "
+            "by the paged-attention config", self.paged_attention)
+    # One switch for every kernel: the attention configs carry it.
+    for name in ("tree_attention", "paged_attention"):
+      object.__setattr__(self, name, dataclasses.replace(
+          getattr(self, name), interpret=self.interpret))
     if self.all_to_all not in ALL_TO_ALLS:
       _fail("all_to_all", f"must be one of {ALL_TO_ALLS}", self.all_to_all)
     if not self.capacity_factor >= 0:

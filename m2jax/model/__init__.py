@@ -26,14 +26,15 @@ import jax.numpy as jnp
 from m2jax.config import ConfigError, ModelConfig
 from m2jax.model.moe import (EXPERT_BIAS, Routing, RoutingStats, route,
                              update_expert_bias)
+from m2jax.model import paged
 from m2jax.model.mtp import shift_left
 from m2jax.model.transformer import ModelOutput, Transformer
 
 __all__ = [
     "EXPERT_BIAS", "ModelOutput", "Routing", "RoutingStats", "Transformer",
-    "forward", "init", "logical_axes", "logits", "mtp_logits", "route",
-    "measure_routing", "shift_left", "update_expert_bias",
-    "update_expert_biases",
+    "decode", "forward", "init", "logical_axes", "logits", "measure_routing",
+    "mtp_decode", "mtp_logits", "paged", "route", "shift_left",
+    "update_expert_bias", "update_expert_biases",
 ]
 
 
@@ -84,6 +85,32 @@ def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
   return _module(config).apply(variables, tokens_BxT, segment_ids, positions,
                                mtp_depth=mtp_depth,
                                subtree_end_BxT=subtree_end, parent_BxT=parent)
+
+
+def decode(config: ModelConfig, variables, tokens_BxT, pages: paged.PagedKV,
+           block_tables_BxM, kv_lens_B, valid_BxT):
+  """The main model over the paged KV cache (generation; m2jax/model/paged.py).
+
+  tokens_BxT are each row's T newest tokens, right-aligned (valid_BxT False
+  on left padding); their keys are written into `pages` (the main layers'
+  pools) and they attend to all kv_lens_B keys of their row. Returns
+  (logits [B, T, V] float32, hidden [B, T, D], new pages).
+  """
+  return _module(config).apply(variables, tokens_BxT, pages, block_tables_BxM,
+                               kv_lens_B, valid_BxT,
+                               method=Transformer.decode)
+
+
+def mtp_decode(config: ModelConfig, variables, depth: int, hidden_BxTxD,
+               tokens_BxT, pages: paged.PagedKV, block_tables_BxM, kv_lens_B,
+               valid_BxT):
+  """MTP module `depth` over its own paged cache: the element at position p
+  reads hidden (h^{depth-1} at p) and emb(tokens), the token at p + depth.
+  Returns (logits [B, T, V], h^depth [B, T, D], new pages of its blocks)."""
+  _check_mtp(config, variables, depth)
+  return _module(config).apply(variables, depth, hidden_BxTxD, tokens_BxT,
+                               pages, block_tables_BxM, kv_lens_B, valid_BxT,
+                               method=Transformer.mtp_decode)
 
 
 def logits(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,

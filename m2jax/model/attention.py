@@ -27,8 +27,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kernels.paged_attention import paged_attention
 from kernels.tree_attention import tree_attention
 from m2jax.config import ModelConfig
+from m2jax.model import paged
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
 
@@ -91,7 +93,13 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, segment_ids_BxT, positions_BxT,
-               subtree_end_BxT=None):
+               subtree_end_BxT=None, cache: paged.LayerCache | None = None):
+    """Returns (y [B, T, D], the layer's new (k_pages, v_pages) or None).
+
+    With `cache` (generation, m2jax/model/paged.py) the T new tokens are
+    right-aligned at positions kv_lens - T + t: their keys and values are
+    written into the pages, and they attend to everything the row cached.
+    """
     cfg = self.config
     D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pdt, cdt = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
@@ -119,7 +127,10 @@ class Attention(nn.Module):
     k = constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
     v = constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
 
-    if subtree_end_BxT is not None and self.window is None:
+    new_cache = None
+    if cache is not None:
+      out, new_cache = self._cached(q, k, v, positions_BxT, cache)
+    elif subtree_end_BxT is not None and self.window is None:
       out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT,
                            config=cfg.settings.tree_attention)
     else:
@@ -129,4 +140,24 @@ class Attention(nn.Module):
                             subtree_end_BxT=subtree_end_BxT)
       out = dot_product_attention(q, k, v, mask, impl=cfg.settings.attention)
     y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cdt))
-    return constrain(y, ("act_batch", "act_length", "act_embed"))
+    return constrain(y, ("act_batch", "act_length", "act_embed")), new_cache
+
+  def _cached(self, q, k, v, positions_BxT, cache: paged.LayerCache):
+    """Write the new keys and values, then attend over the row's cache."""
+    cfg = self.config
+    k_pages = paged.write(cache.k_pages, k, cache.block_tables, positions_BxT,
+                          cache.valid)
+    v_pages = paged.write(cache.v_pages, v, cache.block_tables, positions_BxT,
+                          cache.valid)
+    if self.window is None and q.shape[1] <= paged.DECODE_TOKENS:
+      out = paged_attention(q, k_pages, v_pages, cache.block_tables,
+                            cache.kv_lens, config=cfg.settings.paged_attention)
+    else:  # a prompt chunk (or a sliding window): gather the row's pages
+      keys, values = (paged.gather(p, cache.block_tables)
+                      for p in (k_pages, v_pages))
+      mask = paged.gathered_mask(cache.kv_lens, positions_BxT, keys.shape[1],
+                                 window=self.window,
+                                 num_sink_tokens=cfg.num_sink_tokens)
+      out = dot_product_attention(q, keys, values, mask,
+                                  impl=cfg.settings.attention)
+    return out, (k_pages, v_pages)

@@ -16,24 +16,28 @@ from m2jax.model.moe import DenseFFN, MoE
 
 
 class Block(nn.Module):
-  """One pre-norm decoder block. Returns (x, RoutingStats or None)."""
+  """One pre-norm decoder block."""
   config: ModelConfig
   window: int | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions, valid, subtree_end=None):
+  def __call__(self, x, segment_ids, positions, valid, subtree_end=None,
+               cache=None):
+    """Returns (x, RoutingStats or None, the attention's new pages or None);
+    `cache` is the layer's m2jax.model.paged.LayerCache when generating."""
     cfg = self.config
     norm = lambda name: RMSNorm((cfg.hidden_size,), cfg.rms_norm_eps,
                                 ("norm",), cfg.param_dtype, name=name)
     h = norm("attn_norm")(x)
-    x = x + Attention(cfg, self.window, name="attn")(h, segment_ids, positions,
-                                                     subtree_end)
+    a, new_cache = Attention(cfg, self.window, name="attn")(
+        h, segment_ids, positions, subtree_end, cache)
+    x = x + a
     h = norm("ffn_norm")(x)
     if cfg.ffn_type == "moe":
       y, stats = MoE(cfg, name="moe")(h, segment_ids, valid)
     else:
       y, stats = DenseFFN(cfg, name="mlp")(h), None
-    return x + y, stats
+    return x + y, stats, new_cache
 
 
 def block_class(config: ModelConfig):

@@ -41,13 +41,15 @@ from m2jax.model.layers import RMSNorm, dtype_of, param_init
 class MTPModule(nn.Module):
   """Depth-k MTP module: [norm(emb(t+k)); norm(h^{k-1})] -> proj -> block.
 
-  Returns (h^k [B, T, D], a list of RoutingStats or None per block).
+  Returns (h^k [B, T, D], a list of RoutingStats or None per block, a list
+  of the blocks' new pages or None); `caches` (generation) holds one
+  m2jax.model.paged.LayerCache per block.
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, hidden, shifted_emb, segment_ids, positions, valid,
-               subtree_end=None):
+               subtree_end=None, caches=None):
     cfg = self.config
     D = cfg.hidden_size
     norm = lambda name: RMSNorm((D,), cfg.rms_norm_eps, ("norm",),
@@ -58,12 +60,14 @@ class MTPModule(nn.Module):
     h = jnp.concatenate([norm("embed_norm")(shifted_emb),
                          norm("hidden_norm")(hidden)], axis=-1)
     h = jnp.einsum("btc,cd->btd", h.astype(cdt), proj.astype(cdt))
-    stats = []
+    stats, new_caches = [], []
     for j in range(cfg.mtp_transformer_layers):
-      h, s = block_class(cfg)(cfg, None, name=f"block_{j}")(
-          h, segment_ids, positions, valid, subtree_end)
+      h, s, c = block_class(cfg)(cfg, None, name=f"block_{j}")(
+          h, segment_ids, positions, valid, subtree_end,
+          None if caches is None else caches[j])
       stats.append(s)
-    return h, stats
+      new_caches.append(c)
+    return h, stats, new_caches
 
 
 def shift_left(x_BxT, k: int, fill=0):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from m2jax.config import ModelConfig
 from m2jax.model import mtp as mtp_lib
+from m2jax.model import paged
 from m2jax.model.block import block_class
 from m2jax.model.layers import (RMSNorm, constrain, dtype_of, param_init,
                                 positions_from_segments)
@@ -106,7 +107,8 @@ class Transformer(nn.Module):
     x = self.embed(tokens_BxT)
     stats = []
     for layer in self.layers:
-      x, s = layer(x, segment_ids_BxT, positions_BxT, valid, subtree_end_BxT)
+      x, s, _ = layer(x, segment_ids_BxT, positions_BxT, valid,
+                      subtree_end_BxT)
       stats.append(s)
     logits = self.head(x)
 
@@ -118,10 +120,58 @@ class Transformer(nn.Module):
       else:
         inputs = mtp_lib.chain_inputs(k, h, tokens_BxT, segment_ids_BxT,
                                       positions_BxT, valid)
-      h, s = self.mtp[k - 1](inputs.hidden, self.embed(inputs.tokens),
-                             segment_ids_BxT, inputs.positions, inputs.valid,
-                             inputs.subtree_end)
+      h, s, _ = self.mtp[k - 1](inputs.hidden, self.embed(inputs.tokens),
+                                segment_ids_BxT, inputs.positions,
+                                inputs.valid, inputs.subtree_end)
       mtp_logits.append(self.head(h))
       mtp_stats.extend(s)
     return ModelOutput(logits, tuple(mtp_logits), x, _stack(stats),
                        _stack(mtp_stats))
+
+  # Generation over the paged KV cache (m2jax/model/paged.py) -------------
+
+  def _layer_caches(self, pages: paged.PagedKV, first: int, count: int,
+                    block_tables, kv_lens, valid):
+    return [paged.LayerCache(pages.k[i], pages.v[i], block_tables, kv_lens,
+                             valid) for i in range(first, first + count)]
+
+  def decode(self, tokens_BxT, pages: paged.PagedKV, block_tables_BxM,
+             kv_lens_B, valid_BxT):
+    """The main model on T right-aligned new tokens per row.
+
+    Returns (logits [B, T, V] float32, hidden [B, T, D] before the final
+    norm, the main layers' new pages as a PagedKV of num_layers entries).
+    """
+    cfg = self.config
+    positions = paged.positions(kv_lens_B, valid_BxT)
+    segment_ids = valid_BxT.astype(jnp.int32)
+    caches = self._layer_caches(pages, 0, cfg.num_layers, block_tables_BxM,
+                                kv_lens_B, valid_BxT)
+    x = self.embed(tokens_BxT)
+    new_k, new_v = [], []
+    for layer, cache in zip(self.layers, caches):
+      x, _, (k, v) = layer(x, segment_ids, positions, valid_BxT, None, cache)
+      new_k.append(k)
+      new_v.append(v)
+    return self.head(x), x, paged.PagedKV(tuple(new_k), tuple(new_v))
+
+  def mtp_decode(self, depth: int, hidden_BxTxD, tokens_BxT,
+                 pages: paged.PagedKV, block_tables_BxM, kv_lens_B,
+                 valid_BxT):
+    """MTP module `depth` (1-based) on T right-aligned elements per row: the
+    element at position p reads hidden (h^{depth-1} at p) and the embedding
+    of `tokens` (the token at p + depth), as in training (mtp.py).
+
+    `pages` holds the module's own layers (mtp_transformer_layers entries).
+    Returns (logits [B, T, V], h^depth [B, T, D], its new pages).
+    """
+    positions = paged.positions(kv_lens_B, valid_BxT)
+    segment_ids = valid_BxT.astype(jnp.int32)
+    n = self.config.mtp_transformer_layers
+    caches = self._layer_caches(pages, 0, n, block_tables_BxM, kv_lens_B,
+                                valid_BxT)
+    h, _, new = self.mtp[depth - 1](hidden_BxTxD, self.embed(tokens_BxT),
+                                    segment_ids, positions, valid_BxT, None,
+                                    caches)
+    return (self.head(h), h,
+            paged.PagedKV(tuple(c[0] for c in new), tuple(c[1] for c in new)))

@@ -1,0 +1,669 @@
+"""The generation engine: paged KV cache, continuous batching, MTP drafts.
+
+  engine = Engine(config, variables, EngineConfig(mtp_draft=3))
+  rid = engine.add_request(prompt_ids, SamplingParams(temperature=0.7, n=4))
+  while engine.has_work():
+    for event in engine.step():       # tokens as they are generated
+      ...
+  engine.result(rid)                   # per sample: tokens, log-probs, reason
+
+One `step` admits waiting requests, prefills them, and advances every running
+sequence by one decode step (one token, or with `mtp_draft` = K one
+speculative round of 1..K+1 tokens). Requests join and leave between steps;
+the compiled functions see only bucketed shapes (batch rows, block-table
+width, prompt chunk), so no request triggers a compilation of its own.
+
+Prompts. A request's prompt is prefilled once in chunks of `prefill_chunk`
+tokens, all but its last token; its n samples then share the prompt's pages
+(the last, partly filled page is copied for each) and feed the last prompt
+token themselves, so each samples its own first token. Full pages of known
+tokens enter the prefix cache (m2jax/infer/kv_cache.py): a later prompt that
+starts with the same tokens reuses them instead of recomputing them.
+
+Memory. When the pool runs out of pages, the most recently admitted sequence
+is preempted: its pages are released and it waits to be prefilled again with
+what it has generated so far (recompute preemption).
+
+Speculative decoding (`mtp_draft` = K <= the model's MTP modules): each
+round the MTP modules draft K tokens from the last position, the main model
+verifies the K + 1 positions in one forward, and m2jax/infer/speculative.py
+decides which are kept. Module k's KV cache is refreshed over a window of
+the last 2K positions every round (the window covers every position whose
+entry was computed from a draft that may have been rejected); the main
+model's hidden states of those positions are kept per sequence on the
+device (the "h0 ring"). Greedy output is identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2jax import model
+from m2jax.config import ModelConfig
+from m2jax.errors import UserError
+from m2jax.infer import sampling, speculative
+from m2jax.infer.kv_cache import OutOfPages, PagePool, PageTable
+from m2jax.infer.sampling import SamplingArrays, SamplingParams
+from m2jax.model import paged
+
+
+class EngineError(UserError, ValueError):
+  """A request or engine setting the engine cannot serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine batches and caches (not what it computes).
+
+  page_size: token slots per KV page (a power of two).
+  num_pages: pages in the pool (page 0 is reserved), shared by all layers.
+  max_batch: sequences decoded together at most (the largest batch bucket).
+  prefill_chunk: prompt tokens per prefill call and row.
+  mtp_draft: speculative draft tokens per round, K (0: plain decoding).
+  prefix_cache: keep full prompt pages for reuse by later requests.
+  max_seq_len: longest sequence (prompt + output); None: the model's
+    max_position_embeddings.
+  """
+  page_size: int = 16
+  num_pages: int = 1024
+  max_batch: int = 32
+  prefill_chunk: int = 128
+  mtp_draft: int = 0
+  prefix_cache: bool = True
+  max_seq_len: int | None = None
+
+  def __post_init__(self):
+    def fail(field, rule):
+      raise EngineError(f"EngineConfig.{field}: {rule} (got "
+                        f"{getattr(self, field)!r})")
+    if self.page_size < 1 or self.page_size & (self.page_size - 1):
+      fail("page_size", "must be a power of two")
+    if self.num_pages < 2:
+      fail("num_pages", "must be >= 2 (page 0 is reserved)")
+    if self.max_batch < 1:
+      fail("max_batch", "must be >= 1")
+    if self.prefill_chunk < 1:
+      fail("prefill_chunk", "must be >= 1")
+    if self.mtp_draft < 0:
+      fail("mtp_draft", "must be >= 0")
+    if self.max_seq_len is not None and self.max_seq_len < 2:
+      fail("max_seq_len", "must be None or >= 2")
+
+
+def _bucket(n: int, cap: int | None = None, low: int = 1) -> int:
+  """The smallest power of two >= max(n, low) (at most cap, when given):
+  the shapes the compiled steps see."""
+  b = 1 << max(0, (max(n, low) - 1).bit_length())
+  return b if cap is None else min(b, cap)
+
+
+# Smallest block-table width and prompt chunk (fewer shapes to compile).
+_MIN_PAGES, _MIN_CHUNK = 8, 8
+
+
+class Sample(NamedTuple):
+  """One finished (or running) sample of a request."""
+  tokens: list[int]           # generated token ids (a stop token included)
+  logprobs: list[float]       # log q(token) of each (sampling.py)
+  finish_reason: str | None   # "stop", "length", "abort" or None (running)
+
+
+class Event(NamedTuple):
+  """New tokens of one sample after a step (for streaming)."""
+  request_id: int
+  index: int                  # sample index in 0..n-1
+  tokens: list[int]
+  logprobs: list[float]
+  finish_reason: str | None
+
+
+@dataclasses.dataclass
+class _Request:
+  rid: int
+  prompt: list[int]
+  params: SamplingParams
+  seeds: list[int]
+  samples: list["_Seq"] = dataclasses.field(default_factory=list)
+  prefilled: bool = False
+
+
+@dataclasses.dataclass
+class _Seq:
+  request: _Request
+  index: int
+  tokens: list[int]            # prompt + committed output
+  table: PageTable
+  computed: int = 0            # tokens whose main-model keys are cached
+  generated: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  slot: int = -1               # row of the device-side h0 ring
+  sent: int = 0                # tokens already reported in events
+  ring: jax.Array | None = None  # h0 of the last 2K positions, from prefill
+
+  @property
+  def params(self) -> SamplingParams:
+    return self.request.params
+
+
+class Engine:
+  """Continuous batching over a paged KV cache (see the module docstring)."""
+
+  def __init__(self, model_config: ModelConfig, variables,
+               engine_config: EngineConfig = EngineConfig(), *,
+               tokenizer=None, mesh=None, seed: int = 0):
+    cfg, ec = model_config, engine_config
+    if ec.mtp_draft > cfg.num_mtp_modules:
+      raise EngineError(
+          f"EngineConfig.mtp_draft={ec.mtp_draft} exceeds the model's "
+          f"num_mtp_modules={cfg.num_mtp_modules}")
+    if ec.mtp_draft and any(f"mtp_{k}" not in variables["params"]
+                            for k in range(ec.mtp_draft)):
+      raise EngineError("mtp_draft needs trained MTP modules; these "
+                        "variables have none for some depth <= "
+                        f"{ec.mtp_draft} (hub checkpoints ship none)")
+    self.model_config, self.config = cfg, ec
+    self.variables = variables
+    self.tokenizer = tokenizer
+    self.mesh = mesh
+    self.max_seq_len = min(ec.max_seq_len or cfg.max_position_embeddings,
+                           cfg.max_position_embeddings)
+    K = ec.mtp_draft
+    self.pool = PagePool(ec.num_pages, ec.page_size,
+                         prefix_cache=ec.prefix_cache, lookahead=K,
+                         margin=2 * K)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    shape = (ec.num_pages, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
+    self.pages = paged.empty(cfg.num_layers, *shape, dtype)
+    self.mtp_pages = [paged.empty(cfg.mtp_transformer_layers, *shape, dtype)
+                      for _ in range(K)]
+    # The main model's hidden states of each sequence's last 2K positions
+    # (speculative decoding), one row per batch slot.
+    self.ring = jnp.zeros((ec.max_batch, 2 * K, cfg.hidden_size), dtype)
+    self._free_slots = list(range(ec.max_batch))
+    self._seed_rng = np.random.default_rng(seed)
+    self._ids = itertools.count()
+    self.requests: dict[int, _Request] = {}
+    self.waiting: collections.deque[_Seq | _Request] = collections.deque()
+    self.running: list[_Seq] = []
+    self.stats = collections.Counter()
+
+  # ------------------------------------------------------------ requests --
+
+  def add_request(self, prompt_ids, params: SamplingParams = SamplingParams()
+                  ) -> int:
+    """Queue a prompt; returns its request id."""
+    prompt = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
+    if not prompt:
+      raise EngineError("the prompt must hold at least one token")
+    vocab = self.model_config.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+      raise EngineError(f"prompt token ids must be in [0, {vocab})")
+    if len(prompt) >= self.max_seq_len:
+      raise EngineError(f"the prompt has {len(prompt)} tokens; the context "
+                        f"holds {self.max_seq_len}")
+    need = self.pool.pages_for(len(prompt) + self.config.mtp_draft)
+    if need > self.pool.num_pages - 1:
+      raise EngineError(f"the prompt needs {need} KV pages; the pool has "
+                        f"{self.pool.num_pages - 1}")
+    if params.n > self.config.max_batch:
+      raise EngineError(f"n={params.n} samples exceed the engine's "
+                        f"max_batch={self.config.max_batch}")
+    rid = next(self._ids)
+    seeds = [int(s) for s in (
+        np.arange(params.n) + params.seed if params.seed is not None
+        else self._seed_rng.integers(0, 2**31, params.n))]
+    req = _Request(rid, prompt, params, seeds)
+    self.requests[rid] = req
+    self.waiting.append(req)
+    return rid
+
+  def abort(self, rid: int) -> None:
+    """Stop a request now and free its pages (a closed client)."""
+    req = self.requests.get(rid)
+    if req is None:
+      return
+    if req in self.waiting:
+      self.waiting.remove(req)
+    for seq in req.samples:
+      if seq.finish_reason is None:
+        self._finish(seq, "abort")
+      if seq in self.waiting:
+        self.waiting.remove(seq)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def result(self, rid: int) -> list[Sample]:
+    """The request's samples (finished or not)."""
+    req = self.requests[rid]
+    return [Sample(list(s.generated), list(s.logprobs), s.finish_reason)
+            for s in req.samples]
+
+  def done(self, rid: int) -> bool:
+    req = self.requests[rid]
+    return bool(req.samples) and all(s.finish_reason is not None
+                                     for s in req.samples)
+
+  def release(self, rid: int) -> None:
+    """Forget a finished request (its results are no longer kept)."""
+    self.requests.pop(rid, None)
+
+  def generate(self, prompts, params: SamplingParams = SamplingParams()
+               ) -> list[list[Sample]]:
+    """Run `prompts` to completion; per prompt, its samples."""
+    rids = [self.add_request(p, params) for p in prompts]
+    while self.has_work():
+      self.step()
+    out = [self.result(r) for r in rids]
+    for r in rids:
+      self.release(r)
+    return out
+
+  # ---------------------------------------------------------------- step --
+
+  def step(self) -> list[Event]:
+    """Admit and prefill waiting work, then one decode step for all."""
+    self._admit()
+    ready = [s for s in self.running if s.finish_reason is None]
+    if ready:
+      if self.config.mtp_draft:
+        self._speculative_round(ready)
+      else:
+        self._decode(ready)
+    events = []
+    for seq in list(self.running):
+      new = seq.generated[seq.sent:]
+      if new or seq.finish_reason is not None:
+        events.append(Event(seq.request.rid, seq.index, new,
+                            seq.logprobs[seq.sent:], seq.finish_reason))
+        seq.sent = len(seq.generated)
+      if seq.finish_reason is not None:
+        self.running.remove(seq)
+    return events
+
+  # ----------------------------------------------------------- admission --
+
+  def _admit(self):
+    """Prefill waiting requests (and preempted sequences) while there is
+    room in the batch and the pool."""
+    while self.waiting:
+      item = self.waiting[0]
+      n = item.params.n if isinstance(item, _Request) else 1
+      if len(self.running) + n > self.config.max_batch:
+        return
+      try:
+        if isinstance(item, _Request):
+          self._admit_request(item)
+        else:
+          self._admit_sequence(item)
+      except OutOfPages:
+        if not self.running:
+          raise
+        return
+      self.waiting.popleft()
+
+  def _prefill_table(self, tokens: list[int]) -> tuple[PageTable, int]:
+    """Pages holding tokens[:-1] (cached prefix reused, the rest
+    prefilled); returns the table and the number of tokens computed."""
+    table = self.pool.match_prefix(tokens)
+    cached = len(table.pages) * self.pool.page_size
+    self.stats["prefix_hit_tokens"] += cached
+    try:
+      self.pool.grow(table, len(tokens))
+    except OutOfPages:
+      self.pool.release(table)
+      raise
+    return table, cached
+
+  def _admit_request(self, req: _Request):
+    prompt = req.prompt
+    table, cached = self._prefill_table(prompt)
+    head = _Seq(req, 0, list(prompt), table, computed=cached)
+    self._prefill([head])
+    self.pool.commit(table, prompt, head.computed)
+    n = req.params.n
+    if n > 1:
+      try:
+        tables, moves = self.pool.fork(table, head.computed, n - 1)
+      except OutOfPages:
+        self.pool.release(table)
+        raise
+      if moves:
+        self._copy_pages(moves)
+      req.samples = [head] + [
+          _Seq(req, i + 1, list(prompt), t, computed=head.computed,
+               ring=head.ring)
+          for i, t in enumerate(tables)]
+      # Each sample writes its last prompt token itself: give it the page.
+      for seq in req.samples[1:]:
+        self.pool.grow(seq.table, len(prompt))
+    else:
+      req.samples = [head]
+    for seq in req.samples:
+      self._start(seq)
+
+  def _admit_sequence(self, seq: _Seq):
+    """A preempted sequence: prefill its tokens again."""
+    table, cached = self._prefill_table(seq.tokens)
+    seq.table, seq.computed = table, cached
+    self._prefill([seq])
+    self.pool.commit(table, seq.tokens, seq.computed)
+    self._start(seq)
+
+  def _start(self, seq: _Seq):
+    seq.slot = self._free_slots.pop()
+    self.running.append(seq)
+    if self.config.mtp_draft:
+      self.ring = self.ring.at[seq.slot].set(seq.ring)
+      seq.ring = None
+
+  def _finish(self, seq: _Seq, reason: str):
+    seq.finish_reason = reason
+    if seq.table.pages:
+      self.pool.commit(seq.table, seq.tokens, seq.computed)
+      self.pool.release(seq.table)
+    if seq.slot >= 0:
+      self._free_slots.append(seq.slot)
+      seq.slot = -1
+
+  def _preempt(self) -> bool:
+    """Free the newest running sequence's pages; it waits to be prefilled
+    again. False when nothing can be preempted."""
+    victims = [s for s in self.running if s.finish_reason is None]
+    if len(victims) <= 1:
+      return False
+    seq = victims[-1]
+    self.running.remove(seq)
+    self.pool.release(seq.table)
+    self._free_slots.append(seq.slot)
+    seq.slot, seq.computed = -1, 0
+    self.waiting.appendleft(seq)
+    self.stats["preemptions"] += 1
+    return True
+
+  # ------------------------------------------------------------- prefill --
+
+  def _prefill(self, seqs: list[_Seq]):
+    """Compute keys of tokens[:-1] of every sequence, chunk by chunk."""
+    todo = [s for s in seqs if s.computed < len(s.tokens) - 1]
+    while todo:
+      rows = todo[:self.config.max_batch]
+      B = _bucket(len(rows), self.config.max_batch)
+      C = _bucket(max(len(s.tokens) - 1 - s.computed for s in rows),
+                  self.config.prefill_chunk, _MIN_CHUNK)
+      tokens = np.zeros((B, C), np.int32)
+      valid = np.zeros((B, C), bool)
+      kv_lens = np.zeros(B, np.int32)
+      width = _bucket(max(len(s.table.pages) for s in rows), low=_MIN_PAGES)
+      tables = np.zeros((B, width), np.int32)
+      for r, s in enumerate(rows):
+        end = min(s.computed + C, len(s.tokens) - 1)
+        chunk = s.tokens[s.computed:end]
+        tokens[r, C - len(chunk):] = chunk
+        valid[r, C - len(chunk):] = True
+        kv_lens[r] = end
+        tables[r, :len(s.table.pages)] = s.table.pages
+      hidden = self._run_prefill(tokens, tables, kv_lens, valid)
+      if self.config.mtp_draft:
+        self._mtp_prefill(rows, tokens, tables, kv_lens, valid, hidden)
+      for r, s in enumerate(rows):
+        s.computed = int(kv_lens[r])
+      self.stats["prefill_tokens"] += int(valid.sum())
+      self.stats["prefill_calls"] += 1
+      todo = [s for s in todo if s.computed < len(s.tokens) - 1]
+
+  def _run_prefill(self, tokens, tables, kv_lens, valid):
+    hidden, self.pages = _prefill_fn(self.model_config)(
+        self.variables, self.pages, tokens, tables, kv_lens, valid)
+    return hidden
+
+  # -------------------------------------------------------------- decode --
+
+  def _grow_or_preempt(self, seqs: list[_Seq], extra: int) -> list[_Seq]:
+    """Pages for `extra` more tokens of every sequence; preempts the
+    newest sequences while the pool is short. Returns those still running."""
+    while True:
+      try:
+        for s in seqs:
+          self.pool.grow(s.table, len(s.tokens) + extra)
+        return seqs
+      except OutOfPages:
+        if not self._preempt():
+          raise
+        seqs = [s for s in seqs if s in self.running]
+
+  def _batch(self, seqs: list[_Seq], extra: int):
+    """Bucketed block tables and sampling arrays of a decode batch."""
+    B = _bucket(len(seqs), self.config.max_batch)
+    width = _bucket(max(self.pool.pages_for(len(s.tokens) + extra)
+                        for s in seqs), low=_MIN_PAGES)
+    tables = np.zeros((B, width), np.int32)
+    for r, s in enumerate(seqs):
+      tables[r, :len(s.table.pages)] = s.table.pages[:width]
+    sa = sampling.arrays([s.params for s in seqs],
+                         [s.request.seeds[s.index] for s in seqs],
+                         [len(s.generated) for s in seqs], B)
+    return B, tables, sa
+
+  def _decode(self, seqs: list[_Seq]):
+    seqs = self._grow_or_preempt(seqs, 0)
+    B, tables, sa = self._batch(seqs, 0)
+    tokens = np.zeros(B, np.int32)
+    kv_lens = np.zeros(B, np.int32)
+    for r, s in enumerate(seqs):
+      tokens[r] = s.tokens[-1]
+      kv_lens[r] = len(s.tokens)
+    token, logprob, self.pages = _decode_fn(self.model_config)(
+        self.variables, self.pages, tokens, tables, kv_lens, sa)
+    token, logprob = np.asarray(token), np.asarray(logprob)
+    for r, s in enumerate(seqs):
+      s.computed = len(s.tokens)
+      self._emit(s, [int(token[r])], [float(logprob[r])])
+    self.stats["decode_steps"] += 1
+    self.stats["decode_tokens"] += len(seqs)
+
+  def _emit(self, seq: _Seq, tokens: list[int], logprobs: list[float]):
+    """Append tokens up to the first stop; finish the sample if it ends."""
+    p = seq.params
+    for tok, lp in zip(tokens, logprobs):
+      seq.tokens.append(tok)
+      seq.generated.append(tok)
+      seq.logprobs.append(lp)
+      if tok in p.stop_token_ids:
+        return self._finish(seq, "stop")
+      if p.stop and self.tokenizer is not None and self._hit_stop(seq):
+        return self._finish(seq, "stop")
+      if len(seq.generated) >= p.max_tokens or \
+          len(seq.tokens) >= self.max_seq_len:
+        return self._finish(seq, "length")
+    return None
+
+  def _hit_stop(self, seq: _Seq) -> bool:
+    """Cut the sample before the first stop string, if one appeared."""
+    text = self.tokenizer.decode(np.asarray(seq.generated))
+    cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0),
+              default=-1)
+    if cut < 0:
+      return False
+    # Keep the shortest token prefix whose text reaches the cut.
+    for n in range(len(seq.generated) + 1):
+      if len(self.tokenizer.decode(np.asarray(seq.generated[:n]))) >= cut:
+        break
+    drop = len(seq.generated) - n
+    if drop:
+      del seq.generated[n:], seq.logprobs[n:], seq.tokens[-drop:]
+    return True
+
+  # -------------------------------------------------------- speculative --
+
+  def _mtp_prefill(self, rows, tokens, tables, kv_lens, valid, hidden):
+    """Run the MTP modules over a prefill chunk (their caches must hold
+    every position) and keep the last 2K main hidden states per row."""
+    K = self.config.mtp_draft
+    B, C = tokens.shape
+    # Module k at position p reads the token at p + k: known for p + k
+    # inside the sequence, else a placeholder (those positions lie in the
+    # last 2K, which every speculative round recomputes).
+    shifted = np.zeros((K, B, C), np.int32)
+    for r, s in enumerate(rows):
+      pos = int(kv_lens[r]) - C + np.arange(C)
+      seq = np.asarray(s.tokens, np.int32)
+      for k in range(1, K + 1):
+        ok = valid[r] & (pos + k < len(seq))
+        shifted[k - 1, r, ok] = seq[pos[ok] + k]
+    self.mtp_pages = _mtp_prefill_fn(self.model_config, K)(
+        self.variables, self.mtp_pages, hidden, shifted, tables, kv_lens,
+        valid)
+    # Keep the last 2K main hidden states (positions computed-2K..-1).
+    W = 2 * K
+    for r, s in enumerate(rows):
+      if s.ring is None:
+        s.ring = jnp.zeros((W, self.model_config.hidden_size), hidden.dtype)
+      n_new = int(valid[r].sum())
+      s.ring = jnp.concatenate([s.ring, hidden[r, C - n_new:]], axis=0)[-W:]
+
+  def _speculative_round(self, seqs: list[_Seq]):
+    K = self.config.mtp_draft
+    seqs = self._grow_or_preempt(seqs, K)
+    B, tables, sa = self._batch(seqs, K)
+    W = 2 * K
+    slots = np.zeros(B, np.int32)
+    recent = np.zeros((B, W), np.int32)   # tokens at positions m-W+1..m
+    m = np.zeros(B, np.int32)             # position of the token to feed
+    live = np.zeros(B, bool)
+    for r, s in enumerate(seqs):
+      slots[r] = s.slot
+      m[r] = len(s.tokens) - 1
+      tail = s.tokens[max(0, len(s.tokens) - W):]
+      recent[r, W - len(tail):] = tail
+      live[r] = True
+    accepted, tokens, logprobs, self.pages, self.mtp_pages, self.ring = (
+        _spec_fn(self.model_config, K)(
+            self.variables, self.pages, self.mtp_pages, self.ring, slots,
+            recent, m, tables, live, sa))
+    accepted, tokens, logprobs = (np.asarray(x) for x in (accepted, tokens,
+                                                          logprobs))
+    for r, s in enumerate(seqs):
+      j = int(accepted[r])
+      s.computed = len(s.tokens) + j
+      self._emit(s, [int(t) for t in tokens[r, :j + 1]],
+                 [float(x) for x in logprobs[r, :j + 1]])
+    self.stats["decode_steps"] += 1
+    self.stats["decode_tokens"] += int(accepted[:len(seqs)].sum()) + len(seqs)
+    self.stats["drafted"] += K * len(seqs)
+    self.stats["accepted"] += int(accepted[:len(seqs)].sum())
+    for k in range(K):
+      self.stats[f"accepted_at_{k + 1}"] += int((accepted[:len(seqs)] > k).sum())
+
+  def _copy_pages(self, moves):
+    src = np.asarray([a for a, _ in moves], np.int32)
+    dst = np.asarray([b for _, b in moves], np.int32)
+    self.pages = _copy_fn(self.pages, src, dst)
+    self.mtp_pages = [_copy_fn(p, src, dst) for p in self.mtp_pages]
+
+
+# --------------------------------------------------- compiled functions --
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_fn(pages: paged.PagedKV, src, dst) -> paged.PagedKV:
+  copy = lambda a: a.at[dst].set(a[src])
+  return paged.PagedKV(tuple(map(copy, pages.k)), tuple(map(copy, pages.v)))
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_fn(cfg: ModelConfig):
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def prefill(variables, pages, tokens, tables, kv_lens, valid):
+    _, hidden, pages = model.decode(cfg, variables, tokens, pages, tables,
+                                    kv_lens, valid)
+    return hidden, pages
+  return prefill
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_fn(cfg: ModelConfig):
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def decode(variables, pages, tokens_B, tables, kv_lens, sa):
+    valid = (kv_lens > 0)[:, None]
+    logits, _, pages = model.decode(cfg, variables, tokens_B[:, None], pages,
+                                    tables, kv_lens, valid)
+    token, logprob = sampling.sample(logits[:, 0], sa)
+    return token, logprob, pages
+  return decode
+
+
+@functools.lru_cache(maxsize=None)
+def _mtp_prefill_fn(cfg: ModelConfig, K: int):
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def mtp_prefill(variables, mtp_pages, hidden, shifted_KxBxC, tables,
+                  kv_lens, valid):
+    new = []
+    h = hidden
+    for k in range(1, K + 1):
+      _, h, pk = model.mtp_decode(cfg, variables, k, h, shifted_KxBxC[k - 1],
+                                  mtp_pages[k - 1], tables, kv_lens, valid)
+      new.append(pk)
+    return new
+  return mtp_prefill
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_fn(cfg: ModelConfig, K: int):
+  """One speculative round for a batch (module docstring)."""
+  W = 2 * K
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2, 3))
+  def round_(variables, pages, mtp_pages, ring, slots, recent_BxW, m_B,
+             tables, live_B, sa: SamplingArrays):
+    B = m_B.shape[0]
+    # Draft: module k over the window of positions m-W..m-1; position p
+    # reads the token at p + k (committed, or a draft made this round).
+    pos = m_B[:, None] - W + jnp.arange(W)[None]
+    valid = (pos >= 0) & live_B[:, None]
+    h = ring[slots]
+    drafts, draft_logq, new_mtp = [], [], []
+    for k in range(1, K + 1):
+      window_tokens = jnp.concatenate(
+          [recent_BxW[:, k - 1:]] + [d[:, None] for d in drafts], axis=1)
+      logits, h, pk = model.mtp_decode(cfg, variables, k, h, window_tokens,
+                                       mtp_pages[k - 1], tables, m_B, valid)
+      new_mtp.append(pk)
+      q_sa = sa._replace(counter=sa.counter * (K + 2) + k)
+      lq = sampling.log_q(logits[:, -1], q_sa)
+      drawn = jax.vmap(jax.random.categorical)(sampling.keys(q_sa), lq)
+      d = jnp.where(sa.temperature > 0, drawn,
+                    jnp.argmax(logits[:, -1], -1)).astype(jnp.int32)
+      drafts.append(d)
+      draft_logq.append(lq)
+    drafts_BxK = jnp.stack(drafts, axis=1)
+    # Verify: the main model on [x_m, d_1..d_K] at positions m..m+K.
+    feed = jnp.concatenate([recent_BxW[:, -1:], drafts_BxK], axis=1)
+    kv_lens = jnp.where(live_B, m_B + K + 1, 0)
+    logits, h0, pages = model.decode(
+        cfg, variables, feed, pages, tables, kv_lens,
+        jnp.broadcast_to(live_B[:, None], (B, K + 1)))
+    flat = lambda x: x.reshape(B * (K + 1), *x.shape[2:])
+    rep = SamplingArrays(*(jnp.repeat(a, K + 1) for a in sa))
+    target_logp = sampling.log_q(flat(logits), rep).reshape(logits.shape)
+    v_sa = sa._replace(counter=sa.counter * (K + 2))
+    accepted, tokens, logprobs = speculative.accept(
+        drafts_BxK, jnp.stack(draft_logq, axis=1), logits, target_logp,
+        sa.temperature <= 0, sampling.keys(v_sa))
+    # The ring moves on by accepted + 1 positions: h0 of m'-W..m'-1.
+    both = jnp.concatenate([ring[slots], h0.astype(ring.dtype)], axis=1)
+    idx = accepted[:, None] + 1 + jnp.arange(W)[None]
+    new_ring = jnp.take_along_axis(both, idx[..., None], axis=1)
+    ring = ring.at[slots].set(jnp.where(live_B[:, None, None], new_ring,
+                                        ring[slots]))
+    return accepted, tokens, logprobs, pages, new_mtp, ring
+  return round_
