@@ -448,7 +448,8 @@ class Engine:
                         for s in seqs), low=_MIN_PAGES)
     tables = np.zeros((B, width), np.int32)
     for r, s in enumerate(seqs):
-      tables[r, :len(s.table.pages)] = s.table.pages[:width]
+      row = s.table.pages[:width]
+      tables[r, :len(row)] = row
     sa = sampling.arrays([s.params for s in seqs],
                          [s.request.seeds[s.index] for s in seqs],
                          [len(s.generated) for s in seqs], B)
