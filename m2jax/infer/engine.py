@@ -7,6 +7,11 @@
       ...
   engine.result(rid)                   # per sample: tokens, log-probs, reason
 
+On a mesh (`mesh=`, m2jax/sharding.py) the parameters follow the model's
+logical-axis rules (tensor and expert parallel), the KV pages are split over
+their kv_heads axis the same way, and every compiled step runs under the
+mesh, so a model larger than one device can be served.
+
 One `step` admits waiting requests, prefills them, and advances every running
 sequence by one decode step (one token, or with `mtp_draft` = K one
 speculative round of 1..K+1 tokens). Requests join and leave between steps;
@@ -46,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from m2jax import model
+from m2jax import model, sharding
 from m2jax.config import ModelConfig
 from m2jax.errors import UserError
 from m2jax.infer import sampling, speculative
@@ -171,9 +176,13 @@ class Engine:
                         "variables have none for some depth <= "
                         f"{ec.mtp_draft} (hub checkpoints ship none)")
     self.model_config, self.config = cfg, ec
-    self.variables = variables
     self.tokenizer = tokenizer
     self.mesh = mesh
+    if mesh is not None:
+      sharding.check_mesh(cfg, mesh)
+      variables = sharding.place(variables,
+                                 sharding.variable_shardings(cfg, mesh))
+    self.variables = variables
     self.max_seq_len = min(ec.max_seq_len or cfg.max_position_embeddings,
                            cfg.max_position_embeddings)
     K = ec.mtp_draft
@@ -182,12 +191,14 @@ class Engine:
                          margin=2 * K)
     dtype = jnp.dtype(cfg.compute_dtype)
     shape = (ec.num_pages, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
-    self.pages = paged.empty(cfg.num_layers, *shape, dtype)
-    self.mtp_pages = [paged.empty(cfg.mtp_transformer_layers, *shape, dtype)
-                      for _ in range(K)]
+    self.pages = self._place(paged.empty(cfg.num_layers, *shape, dtype))
+    self.mtp_pages = [
+        self._place(paged.empty(cfg.mtp_transformer_layers, *shape, dtype))
+        for _ in range(K)]
     # The main model's hidden states of each sequence's last 2K positions
     # (speculative decoding), one row per batch slot.
-    self.ring = jnp.zeros((ec.max_batch, 2 * K, cfg.hidden_size), dtype)
+    self.ring = self._place(jnp.zeros((ec.max_batch, 2 * K,
+                                       cfg.hidden_size), dtype))
     self._free_slots = list(range(ec.max_batch))
     self._seed_rng = np.random.default_rng(seed)
     self._ids = itertools.count()
@@ -195,6 +206,27 @@ class Engine:
     self.waiting: collections.deque[_Seq | _Request] = collections.deque()
     self.running: list[_Seq] = []
     self.stats = collections.Counter()
+
+  def _place(self, tree, spec=None):
+    """Device arrays of the engine on its mesh: KV pages split over their
+    kv_heads axis as the model's rules say, everything else replicated."""
+    if self.mesh is None:
+      return tree
+    if spec is None and isinstance(tree, paged.PagedKV):
+      rules = dict(sharding.LOGICAL_RULES)
+      axis = rules["kv_heads"]
+      if self.model_config.num_kv_heads % self.mesh.shape[axis]:
+        axis = None
+      spec = jax.P(None, None, axis, None)
+    target = jax.NamedSharding(self.mesh, spec or jax.P())
+    return jax.tree.map(lambda x: jax.device_put(x, target), tree)
+
+  def _call(self, fn, *args):
+    """Run a compiled step (under the mesh and its logical rules)."""
+    if self.mesh is None:
+      return fn(*args)
+    with sharding.use_mesh(self.mesh):
+      return fn(*args)
 
   # ------------------------------------------------------------ requests --
 
@@ -363,7 +395,7 @@ class Engine:
     seq.slot = self._free_slots.pop()
     self.running.append(seq)
     if self.config.mtp_draft:
-      self.ring = self.ring.at[seq.slot].set(seq.ring)
+      self.ring = self._call(_set_row, self.ring, seq.slot, seq.ring)
       seq.ring = None
 
   def _finish(self, seq: _Seq, reason: str):
@@ -422,8 +454,9 @@ class Engine:
       todo = [s for s in todo if s.computed < len(s.tokens) - 1]
 
   def _run_prefill(self, tokens, tables, kv_lens, valid):
-    hidden, self.pages = _prefill_fn(self.model_config)(
-        self.variables, self.pages, tokens, tables, kv_lens, valid)
+    hidden, self.pages = self._call(
+        _prefill_fn(self.model_config), self.variables, self.pages, tokens,
+        tables, kv_lens, valid)
     return hidden
 
   # -------------------------------------------------------------- decode --
@@ -463,8 +496,9 @@ class Engine:
     for r, s in enumerate(seqs):
       tokens[r] = s.tokens[-1]
       kv_lens[r] = len(s.tokens)
-    token, logprob, self.pages = _decode_fn(self.model_config)(
-        self.variables, self.pages, tokens, tables, kv_lens, sa)
+    token, logprob, self.pages = self._call(
+        _decode_fn(self.model_config), self.variables, self.pages, tokens,
+        tables, kv_lens, sa)
     token, logprob = np.asarray(token), np.asarray(logprob)
     for r, s in enumerate(seqs):
       s.computed = len(s.tokens)
@@ -521,9 +555,9 @@ class Engine:
       for k in range(1, K + 1):
         ok = valid[r] & (pos + k < len(seq))
         shifted[k - 1, r, ok] = seq[pos[ok] + k]
-    self.mtp_pages = _mtp_prefill_fn(self.model_config, K)(
-        self.variables, self.mtp_pages, hidden, shifted, tables, kv_lens,
-        valid)
+    self.mtp_pages = self._call(
+        _mtp_prefill_fn(self.model_config, K), self.variables,
+        self.mtp_pages, hidden, shifted, tables, kv_lens, valid)
     # Keep the last 2K main hidden states (positions computed-2K..-1).
     W = 2 * K
     for r, s in enumerate(rows):
@@ -548,9 +582,9 @@ class Engine:
       recent[r, W - len(tail):] = tail
       live[r] = True
     accepted, tokens, logprobs, self.pages, self.mtp_pages, self.ring = (
-        _spec_fn(self.model_config, K)(
-            self.variables, self.pages, self.mtp_pages, self.ring, slots,
-            recent, m, tables, live, sa))
+        self._call(_spec_fn(self.model_config, K), self.variables,
+                   self.pages, self.mtp_pages, self.ring, slots, recent, m,
+                   tables, live, sa))
     accepted, tokens, logprobs = (np.asarray(x) for x in (accepted, tokens,
                                                           logprobs))
     for r, s in enumerate(seqs):
@@ -568,11 +602,17 @@ class Engine:
   def _copy_pages(self, moves):
     src = np.asarray([a for a, _ in moves], np.int32)
     dst = np.asarray([b for _, b in moves], np.int32)
-    self.pages = _copy_fn(self.pages, src, dst)
-    self.mtp_pages = [_copy_fn(p, src, dst) for p in self.mtp_pages]
+    self.pages = self._call(_copy_fn, self.pages, src, dst)
+    self.mtp_pages = [self._call(_copy_fn, p, src, dst)
+                      for p in self.mtp_pages]
 
 
 # --------------------------------------------------- compiled functions --
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_row(ring, slot, rows):
+  return ring.at[slot].set(rows.astype(ring.dtype))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
