@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,7 @@ def splits_for(programs: int, max_keys: int, keys_per_step: int,
 
 # Each kernel behind one jit: every layer calling it with the same shapes
 # shares one traced jaxpr, lowered once per program (as in kernels/gmm.py).
-_STATIC = ("T", "R", "scale", "splits", "cfg")
+_STATIC = ("T", "R", "scale", "cfg")
 _KERNELS = {"mosaic": jax.jit(_mosaic.partials, static_argnames=_STATIC),
             "triton": jax.jit(_triton.partials, static_argnames=_STATIC)}
 
@@ -299,8 +300,9 @@ def _check_shapes(q, k_pages, v_pages, block_tables, kv_lens):
   if q.ndim != 4 or k_pages.ndim != 4:
     raise ValueError(f"paged attention expects q [B, T, N, H] and pages "
                      f"[P, S, K, H]; got {q.shape} and {k_pages.shape}")
-  if k_pages.shape != v_pages.shape:
-    raise ValueError(f"paged attention: k_pages {k_pages.shape} and v_pages "
+  if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"paged attention: k_pages {k_pages.dtype} "
+                     f"{k_pages.shape} and v_pages {v_pages.dtype} "
                      f"{v_pages.shape} differ")
   B, T, N, H = q.shape
   _, S, K, Hk = k_pages.shape
@@ -332,6 +334,30 @@ def query_row_offsets(T: int, G: int, rows: int) -> np.ndarray:
   return (t - T + 1).astype(np.int32)
 
 
+def _rows(backend: str, R: int) -> int:
+  """Query rows a (batch row, KV head) is padded to for `backend`."""
+  return (_mosaic.padded_rows(R) if backend == "mosaic"
+          else _triton.padded_rows(R))
+
+
+def resolve_config(config, q_BxTxNxH, k_pages_PxSxKxH, block_tables_BxM):
+  """The config a call with these arguments runs: backend chosen ("auto"
+  resolved) and, for the Pallas backends, num_splits fixed (0 resolved by
+  `splits_for`). Raises the one-line errors of bad shapes and of a backend
+  that cannot take them."""
+  cfg = PagedAttentionConfig() if config is None else config
+  B, T, N, H = q_BxTxNxH.shape
+  _, S, K, _ = k_pages_PxSxKxH.shape
+  cfg = _resolve_backend(cfg, (q_BxTxNxH.dtype, k_pages_PxSxKxH.dtype), H, S)
+  if cfg.backend == "xla" or cfg.num_splits:
+    return cfg
+  row_blocks = (_rows("mosaic", T * (N // K)) // _mosaic.ROWS
+                if cfg.backend == "mosaic" else 1)
+  splits = splits_for(B * K * row_blocks, block_tables_BxM.shape[1] * S,
+                      cfg.keys_per_step)
+  return dataclasses.replace(cfg, num_splits=splits)
+
+
 def paged_attention(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
                     block_tables_BxM, kv_lens_B, *, scale=None,
                     config: PagedAttentionConfig | None = None):
@@ -351,35 +377,45 @@ def paged_attention(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
   Returns:
     [B, T, N, H] in q's dtype.
   """
-  cfg = PagedAttentionConfig() if config is None else config
   _check_shapes(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
                 block_tables_BxM, kv_lens_B)
-  B, T, N, H = q_BxTxNxH.shape
-  _, S, K, _ = k_pages_PxSxKxH.shape
-  M = block_tables_BxM.shape[1]
-  scale = float(H ** -0.5 if scale is None else scale)
-  cfg = _resolve_backend(
-      cfg, (q_BxTxNxH.dtype, k_pages_PxSxKxH.dtype, v_pages_PxSxKxH.dtype), H,
-      S)
+  cfg = resolve_config(config, q_BxTxNxH, k_pages_PxSxKxH, block_tables_BxM)
+  scale = float(q_BxTxNxH.shape[-1] ** -0.5 if scale is None else scale)
   if cfg.backend == "xla":
     return paged_attention_reference(q_BxTxNxH, k_pages_PxSxKxH,
                                      v_pages_PxSxKxH, block_tables_BxM,
                                      kv_lens_B, scale=scale)
+  kernel, args = kernel_call(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
+                             block_tables_BxM, kv_lens_B, scale=scale,
+                             config=cfg)
+  B, T, N, H = q_BxTxNxH.shape
+  K = k_pages_PxSxKxH.shape[2]
+  out_BxKxRxH = combine_splits(*kernel(*args))[:, :, :T * (N // K)]
+  out = out_BxKxRxH.reshape(B, K, T, N // K, H).transpose(0, 2, 1, 3, 4)
+  return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
+
+
+def kernel_call(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
+                block_tables_BxM, kv_lens_B, *, scale: float,
+                config: PagedAttentionConfig):
+  """The Pallas kernel of a resolved config and its arguments: `kernel(
+  *args)` gives the per-split (o, lse) that `combine_splits` merges. The
+  queries are laid out as the kernel's rows (r = t * G + g per KV head,
+  zero-padded). `paged_attention` is this plus the merge; benchmarks time
+  the kernel alone with it."""
+  B, T, N, H = q_BxTxNxH.shape
+  _, S, K, _ = k_pages_PxSxKxH.shape
+  M = block_tables_BxM.shape[1]
   G = N // K
   R = T * G  # query rows per (row, KV head): t-major, r = t * G + g
-  rows = (_mosaic.padded_rows(R) if cfg.backend == "mosaic"
-          else _triton.padded_rows(R))
+  rows = _rows(config.backend, R)
   q_BxKxRxH = q_BxTxNxH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4)
   q_BxKxRxH = jnp.pad(q_BxKxRxH.reshape(B, K, R, H),
                       ((0, 0), (0, 0), (0, rows - R), (0, 0)))
-  programs = B * K * (rows // _mosaic.ROWS if cfg.backend == "mosaic" else 1)
-  splits = cfg.num_splits or splits_for(programs, M * S, cfg.keys_per_step)
-  kv_lens_B = jnp.minimum(kv_lens_B.astype(jnp.int32), M * S)
-  o, lse = _KERNELS[cfg.backend](
-      kv_lens_B, block_tables_BxM.astype(jnp.int32),
-      jnp.asarray(query_row_offsets(T, G, rows)), q_BxKxRxH, k_pages_PxSxKxH,
-      v_pages_PxSxKxH, T=T, R=R, scale=scale, splits=splits, cfg=cfg)
-  out_BxKxRxH = combine_splits(o, lse)[:, :, :R]
-  out = out_BxKxRxH.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
-  return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
-
+  kernel = functools.partial(_KERNELS[config.backend], T=T, R=R,
+                             scale=scale, cfg=config)
+  args = (jnp.minimum(kv_lens_B.astype(jnp.int32), M * S),
+          block_tables_BxM.astype(jnp.int32),
+          jnp.asarray(query_row_offsets(T, G, rows)), q_BxKxRxH,
+          k_pages_PxSxKxH, v_pages_PxSxKxH)
+  return kernel, args

@@ -129,21 +129,22 @@ def _zero_values_past(v_smem, first_key, kv_len):
 
 
 def partials(kv_lens, tables, row_offsets, q, k_pages, v_pages, *, T, R,
-             scale, splits, cfg):
+             scale, cfg):
   """Per-split results of paged attention.
 
   kv_lens [B] int32; tables [B, M] int32; row_offsets [rows] int32
   (`paged_attention.query_row_offsets`); q [B, K, rows, H] (query rows
   r = t * G + g, zero padding to whole 64-row blocks); k_pages, v_pages
-  [P, S, K, H], S a multiple of 8. Returns o [B, K, 2 * splits, rows', H]
-  float32 (each normalised over its own keys; rows' >= R) and lse
-  [B, K, 2 * splits, rows'] float32 (base 2; -inf: no key).
+  [P, S, K, H], S a multiple of 8; splits = cfg.num_splits (>= 1).
+  Returns o [B, K, 2 * splits, rows', H] float32 (each normalised over its
+  own keys; rows' >= R) and lse [B, K, 2 * splits, rows'] float32 (base 2;
+  -inf: no key).
   """
   B, K, rows, H = q.shape
   S = k_pages.shape[1]
   dtype = q.dtype
   rb = rows // ROWS  # row blocks
-  bk, stages = cfg.mosaic_block_k, cfg.mosaic_stages
+  bk, stages, splits = cfg.mosaic_block_k, cfg.mosaic_stages, cfg.num_splits
   ring = _CONSUMERS * stages
   chunk = min(S, bk)  # rows of one TMA copy: a page, or part of one
   chunks = bk // chunk

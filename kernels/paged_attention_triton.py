@@ -93,17 +93,19 @@ def _kernel(len_ref, table_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
 
 
 def partials(kv_lens, tables, row_offsets, q, k_pages, v_pages, *, T, R,
-             scale, splits, cfg):
+             scale, cfg):
   """Per-split results of paged attention.
 
   kv_lens [B] int32; tables [B, M] int32; row_offsets [rows] int32
   (`paged_attention.query_row_offsets`); q [B, K, rows, H] (query rows
-  r = t * G + g, zero padding); k_pages, v_pages [P, S, K, H].
-  Returns o [B, K, splits, rows, H] float32 (each split normalised over its
-  own keys) and lse [B, K, splits, rows] float32 (base 2; -inf: no key).
+  r = t * G + g, zero padding); k_pages, v_pages [P, S, K, H]; splits =
+  cfg.num_splits (>= 1). Returns o [B, K, splits, rows, H] float32 (each
+  split normalised over its own keys) and lse [B, K, splits, rows] float32
+  (base 2; -inf: no key).
   """
   del R  # every padded row is computed; the caller keeps the first R
   B, K, rows, H = q.shape
+  splits = cfg.num_splits
   P, S = k_pages.shape[:2]
   M = tables.shape[1]
   kernel = lambda *refs: _kernel(*refs, T=T, scale=scale, splits=splits,

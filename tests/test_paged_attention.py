@@ -9,6 +9,7 @@ uses, which the block tables point at past each row's pages. So a kernel
 that reads past a row's keys, or lets p = 0 meet a NaN value, fails.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -215,6 +216,19 @@ def test_automatic_splits_fill_whole_waves():
   assert pa.splits_for(512, 32768, 64, num_sms=132) == 1  # a big batch
   # A short context caps the splits at 4 key blocks each.
   assert pa.splits_for(2, 1024, 64, num_sms=132) == 4
+  # What a call resolves to (no GPU here: 132 SMs assumed): m2_small at
+  # 32K context, T = 1, then T = 16 (96 query rows: two Mosaic row blocks,
+  # twice the programs, half the splits).
+  spec = jax.ShapeDtypeStruct
+  k = spec((4096, 64, 2, 128), jnp.bfloat16)
+  tables = spec((8, 512), jnp.int32)
+  mosaic = pa.PagedAttentionConfig(backend="mosaic")
+  for T, splits in ((1, 8), (16, 4)):
+    q = spec((8, T, 12, 128), jnp.bfloat16)
+    assert pa.resolve_config(mosaic, q, k, tables).num_splits == splits
+  q = spec((8, 1, 12, 128), jnp.bfloat16)
+  assert pa.resolve_config(dataclasses.replace(mosaic, num_splits=3), q, k,
+                           tables).num_splits == 3
 
 
 def test_backend_choice_and_config_errors(monkeypatch):
