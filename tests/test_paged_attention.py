@@ -117,20 +117,21 @@ def test_triton_kernel_matches_reference(case):
   assert np.all(np.asarray(got)[0] == 0.0)
 
 
-@pytest.mark.parametrize("T, N, lens, splits", [
-    (3, 4, [0, 3, 37, 300], 2),
-    (8, 18, [8, 0, 70], 1),
+@pytest.mark.parametrize("T, N, S, lens, splits", [
+    (3, 4, 16, [0, 3, 37, 300], 2),
+    (8, 18, 128, [8, 0, 200], 1),
 ])
-def test_mosaic_kernel_matches_reference(T, N, lens, splits):
+def test_mosaic_kernel_matches_reference(T, N, S, lens, splits):
   """The Hopper kernel in Pallas' Mosaic GPU interpreter: bf16, head dim
-  64, pages of 16 (four TMA copies per 64-key step), a ring of one slot
-  per consumer. GQA 4/2 with T = 3 (6 query rows padded to 64), two
+  64, 64-key steps, a ring of one slot per consumer. GQA 4/2 with T = 3
+  (6 query rows padded to 64), pages of 16 (four TMA copies per step), two
   splits: the 300-key row's split 0 runs steps 0-2 (step 2 reuses
   consumer 0's slot), split 1 steps 3-4, the last of them zeroing the
   value tail in shared memory. GQA 18/2 with T = 8: 72 query rows, two
-  row blocks of 64, each its own program over the same pages."""
-  args = paged_inputs(2, lens=lens, T=T, N=N, K=2, H=64, S=16, M=20,
-                      dtype=jnp.bfloat16)
+  row blocks of 64, each its own program over the same pages; pages of
+  128, so a step copies half a page (from slot 0 or 64)."""
+  args = paged_inputs(2, lens=lens, T=T, N=N, K=2, H=64, S=S,
+                      M=-(-max(lens) // S), dtype=jnp.bfloat16)
   cfg = pa.PagedAttentionConfig(backend="mosaic", num_splits=splits,
                                 mosaic_stages=1, interpret=True)
   got = pa.paged_attention(*args, config=cfg)
