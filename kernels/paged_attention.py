@@ -369,9 +369,10 @@ def paged_attention(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
       Slots past kv_lens may hold anything (they are masked out).
     block_tables_BxM: int page ids; entries past ceil(kv_lens / S) are
       never read (any value).
-    kv_lens_B: int keys per row, the new tokens included; 0 gives zeros;
-      values above M * S are clipped to it; values in 1 .. T - 1 are
-      invalid (not checked on device).
+    kv_lens_B: int keys per row, the new tokens included (write the new
+      tokens' K and V into their pages first); 0 gives zeros; values are
+      clipped to [0, M * S]; values in 1 .. T - 1 are invalid (not checked
+      on device).
     scale: logit scale, default head_dim ** -0.5.
     config: backend, splits and tiles; None is `PagedAttentionConfig()`.
   Returns:
@@ -414,7 +415,7 @@ def kernel_call(q_BxTxNxH, k_pages_PxSxKxH, v_pages_PxSxKxH,
                       ((0, 0), (0, 0), (0, rows - R), (0, 0)))
   kernel = functools.partial(_KERNELS[config.backend], T=T, R=R,
                              scale=scale, cfg=config)
-  args = (jnp.minimum(kv_lens_B.astype(jnp.int32), M * S),
+  args = (jnp.clip(kv_lens_B.astype(jnp.int32), 0, M * S),
           block_tables_BxM.astype(jnp.int32),
           jnp.asarray(query_row_offsets(T, G, rows)), q_BxKxRxH,
           k_pages_PxSxKxH, v_pages_PxSxKxH)

@@ -63,7 +63,6 @@ _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite: exp2(-inf - _M_INIT) = 0 for rows with no key yet
 _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
-_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 # Shared memory per CTA on an H100 (227 KiB).
 SMEM_BYTES = 232448
 
@@ -184,13 +183,13 @@ def partials(kv_lens, tables, row_offsets, q, k_pages, v_pages, *, T, R,
         for j in range(chunks):  # all table reads first: one wait for all
           key = jnp.minimum(key0 + j * chunk, last_chunk)
           pages.append((table_ref[b, lax.div(key, S)], lax.rem(key, S)))
-        for j, (page, offset) in enumerate(pages):
-          src = (page, pl.ds(pl.multiple_of(offset, chunk), chunk), kvh)
-          dst = (slot, pl.ds(j * chunk, chunk))
-          plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst],
-                                  k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst],
-                                  v_bar.at[slot])
+        # K first: q k^T can start while V is still landing.
+        for ref, smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+          for j, (page, offset) in enumerate(pages):
+            src = (page, pl.ds(pl.multiple_of(offset, chunk), chunk), kvh)
+            plgpu.copy_gmem_to_smem(ref.at[src],
+                                    smem.at[slot, pl.ds(j * chunk, chunk)],
+                                    bar.at[slot])
       pipeline.produce(n, ring, [(free, issue)])
       pipeline.drain(n, ring, [free])
 
