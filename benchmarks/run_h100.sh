@@ -10,6 +10,8 @@
 #                                          kernels, tokamax's private names)
 #   bash benchmarks/run_h100.sh prefix_attention | prefix_model | prefix_agent128
 #                                          experiments.bench_prefix_tree sections
+#   bash benchmarks/run_h100.sh decode_kernel  paged decode attention
+#                                          (experiments.bench_decode, issue 14)
 # Carry .whl (grain, array_record, portpicker, tensorboardX) and .peers
 # (tokamax; see ../shared/wheels); results land in $OUT.
 set -uo pipefail
@@ -50,6 +52,9 @@ case "${1:-train}" in
     timeout 560 python3 -m experiments.bench_prefix_tree --sections=model \
       --model_cases=b_agent --agent_steps=128 --noagent_rewrite \
       --out=$OUT/prefix_tree_agent128_h100.json 2>&1 | quiet | tail -20 ;;
+  decode_kernel)
+    timeout 560 python3 -m experiments.bench_decode --sections=kernel \
+      --out=$OUT/decode_kernel_h100.json 2>&1 | quiet | tail -60 ;;
   *) echo "unknown stage $1 (train, gmm, pretrain, gpu_tests, prefix_attention,"\
-       "prefix_model, prefix_agent128)"; exit 2 ;;
+       "prefix_model, prefix_agent128, decode_kernel)"; exit 2 ;;
 esac

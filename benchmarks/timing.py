@@ -1,4 +1,5 @@
-"""The device timer and the error metric every benchmark uses."""
+"""The device timer, the error metric and the copy bandwidth every benchmark
+uses."""
 
 from __future__ import annotations
 
@@ -57,3 +58,17 @@ def warm_up_clocks(seconds: float = 2.0):
   t0 = time.perf_counter()
   while time.perf_counter() - t0 < seconds:
     jax.block_until_ready(f(x))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> dict:
+  """The device's measured memory bandwidth, the yardstick of bandwidth-
+  bound kernels: bytes moved (read + written) per second by a large
+  device-to-device copy, two ways: "copy" (`jnp.copy` under jit, an XLA
+  copy) and "add_one" (`x + 1`, an elementwise pass XLA cannot elide).
+  Each is the median of `reps` timings of back-to-back calls."""
+  x = jnp.zeros((nbytes // 4,), jnp.uint32)
+  out = {}
+  for name, fn in (("copy", jnp.copy), ("add_one", lambda a: a + 1)):
+    seconds, _ = time_fn(jax.jit(fn), x, reps=reps, min_time=0.05)
+    out[name] = 2 * x.nbytes / seconds
+  return out

@@ -1,0 +1,206 @@
+"""Decode benchmarks (issue 14), one GPU run; sections chosen by --sections:
+
+  kernel   paged decode attention (kernels/paged_attention.py) at batch 8,
+           32K context, T = 1, for m2_small's heads (12 query, 2 KV) and
+           M2's (48, 8), head dim 128, bf16: every backend and the
+           reference, as the whole call the engine makes and as the kernel
+           alone; KV bytes read per second as a fraction of the card's copy
+           bandwidth, measured in the same run (target >= 0.7). First a
+           correctness check of every backend against the float32
+           reference on the device: ragged batches (an empty row, a row of
+           only the new tokens, lengths off the page grid) at T = 1, 4 and
+           16 (16 x 6 = 96 query rows: two Mosaic row blocks).
+
+  python -m experiments.bench_decode --sections=kernel \\
+      --out=benchmarks/results/decode_kernel_h100.json
+CPU dry run (interpreted kernels, tiny sizes):
+  python -m experiments.bench_decode --interpret --batch=2 --context=300 \\
+      --heads=4x2 --head_dim=64 --page_sizes=16 --check_context=100 \\
+      --check_new_tokens=1,3 --splits=0,3 --copy_mib=16 --reps=1 \
+      --out=/tmp/decode.json
+"""
+
+import datetime
+import json
+import os
+import traceback
+
+from absl import flags
+import jax
+import numpy as np
+
+from benchmarks import paged_attention_cases as pc
+from benchmarks import timing
+from experiments import cli
+
+_OUT = flags.DEFINE_string("out", "benchmarks/results/decode_kernel_h100.json",
+                           "JSON results")
+_SECTIONS = flags.DEFINE_list("sections", ["kernel"], "what runs: kernel")
+_INTERPRET = flags.DEFINE_bool("interpret", False,
+                               "CPU dry run: Pallas kernels interpreted")
+_REPS = flags.DEFINE_integer("reps", 10, "timed repetitions")
+# The kernel section's problem.
+_BATCH = flags.DEFINE_integer("batch", 8, "rows")
+_CONTEXT = flags.DEFINE_integer("context", 32768, "keys per row")
+_HEADS = flags.DEFINE_list("heads", ["12x2", "48x8"],
+                           "QUERYxKV heads: m2_small, M2")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "head dim")
+_PAGE_SIZES = flags.DEFINE_list("page_sizes", ["64", "16"],
+                                "page sizes S (token slots per page)")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 1,
+                                   "T: new tokens per row in the timed case")
+_CONFIGS = flags.DEFINE_list(
+    "configs", ["mosaic:64.2", "mosaic:128.1", "triton:64.4.2"],
+    "kernel configs (PagedAttentionConfig.from_string): mosaic:BLOCK_K."
+    "STAGES, triton:BLOCK_K.WARPS.STAGES")
+_SPLITS = flags.DEFINE_list("splits", ["0", "16"],
+                            "num_splits to time each config with (0: auto)")
+_CHECK_CONTEXT = flags.DEFINE_integer(
+    "check_context", 4096, "longest row of the correctness check")
+_CHECK_NEW_TOKENS = flags.DEFINE_list("check_new_tokens", ["1", "4", "16"],
+                                      "T values of the correctness check")
+_COPY_MIB = flags.DEFINE_integer("copy_mib", 1024,
+                                 "size of the copy-bandwidth measurement")
+cli.integer_lists("page_sizes", "splits", "check_new_tokens")
+_MAX_ERR = 2e-2  # bf16 output vs the float32 reference, relative L2
+
+
+def _record(results, key, value):
+  results[key] = value
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(results, f, indent=1, default=float)
+
+
+def _case(heads, page_size, new_tokens):
+  return pc.DecodeCase.from_heads(heads, batch=_BATCH.value,
+                                  head_dim=_HEAD_DIM.value,
+                                  page_size=page_size, new_tokens=new_tokens)
+
+
+def _check(results):
+  """Every config against the float32 reference on ragged batches; returns
+  the configs that failed anywhere."""
+  rows, failed = [], set()
+  for heads in _HEADS.value:
+    for t in (int(x) for x in _CHECK_NEW_TOKENS.value):
+      case = _case(heads, int(_PAGE_SIZES.value[0]), t)
+      lens = pc.ragged_lengths(case.batch, _CHECK_CONTEXT.value, t)
+      args = pc.inputs(case, lens, seed=t)
+      want = jax.jit(pc.reference())(*args)
+      for text in _CONFIGS.value:
+        cfg = pc.config(text, _INTERPRET.value)
+        row = {"heads": heads, "new_tokens": t, "config": text,
+               "lens": lens.tolist()}
+        try:
+          row["rel_err"] = timing.rel_err(jax.jit(pc.ours(cfg))(*args), want)
+        except Exception as e:  # pylint: disable=broad-except
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if not row.get("rel_err", np.inf) < _MAX_ERR:
+          failed.add(text)
+        rows.append(row)
+        print(f"check {heads:>5} T={t:<2} {text:<16} rel. L2 "
+              f"{row.get('rel_err', float('nan')):.2e} {row.get('error', '')}",
+              flush=True)
+        _record(results, "correctness", rows)
+  if failed:
+    print(f"PAGED ATTENTION MISMATCH ON DEVICE: {sorted(failed)}", flush=True)
+  return failed
+
+
+def _time(results, copy_bw, failed):
+  rows = []
+  for heads in _HEADS.value:
+    for page_size in (int(x) for x in _PAGE_SIZES.value):
+      case = _case(heads, page_size, _NEW_TOKENS.value)
+      lens = np.full(case.batch, _CONTEXT.value, np.int32)
+      args = pc.inputs(case, lens)
+      nbytes = pc.kv_bytes(lens, case)
+      cands = {"reference": (pc.reference(), None, None)}
+      for text in _CONFIGS.value:
+        for splits in (int(x) for x in _SPLITS.value):
+          cfg = pc.resolved(pc.config(text, _INTERPRET.value, splits),
+                            args[0], args[1], args[3])
+          name = text if splits == 0 else f"{text}/{splits}"
+          cands[name] = (pc.ours(cfg), pc.kernel_alone(cfg, *args), cfg)
+      want = None
+      for name, (fn, kernel, cfg) in cands.items():
+        row = {"heads": heads, "page_size": page_size,
+               "new_tokens": case.new_tokens, "batch": case.batch,
+               "context": _CONTEXT.value, "impl": name, "kv_bytes": nbytes,
+               "passed_check": name.split("/")[0] not in failed}
+        if cfg is not None:
+          row["num_splits"] = cfg.num_splits
+        try:
+          t, out = timing.time_fn(jax.jit(fn), *args, reps=_REPS.value,
+                                  min_time=0.0 if _INTERPRET.value else 0.05)
+          row["ms"] = t * 1e3
+          row["kv_tb_per_s"] = nbytes / t / 1e12
+          row["fraction_of_copy_bw"] = nbytes / t / copy_bw
+          if name == "reference":  # timed first
+            want = out
+          elif want is not None:
+            row["rel_err_vs_reference"] = timing.rel_err(out, want)
+          if kernel is not None:
+            tk, _ = timing.time_fn(kernel, reps=_REPS.value,
+                                   min_time=0.0 if _INTERPRET.value else 0.05)
+            row["kernel_ms"] = tk * 1e3
+            row["kernel_fraction_of_copy_bw"] = nbytes / tk / copy_bw
+        except Exception as e:  # pylint: disable=broad-except
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          traceback.print_exc()
+        rows.append(row)
+        print(f"{heads:>5} S={page_size:<3} {name:<18} "
+              f"{row.get('ms', float('nan')):8.3f} ms  "
+              f"{row.get('kv_tb_per_s', 0):5.2f} TB/s = "
+              f"{row.get('fraction_of_copy_bw', 0):5.1%} of copy  | kernel "
+              f"{row.get('kernel_ms', float('nan')):8.3f} ms "
+              f"{row.get('kernel_fraction_of_copy_bw', 0):5.1%}  splits "
+              f"{row.get('num_splits', '-')}  err "
+              f"{row.get('rel_err_vs_reference', float('nan')):.1e}",
+              flush=True)
+        _record(results, "kernel", rows)
+  return rows
+
+
+def _kernel_section(results):
+  bw = timing.copy_bandwidth(_COPY_MIB.value << 20, reps=_REPS.value)
+  copy_bw = max(bw.values())  # the stricter yardstick
+  _record(results, "copy_bandwidth_bytes_per_s", bw)
+  print("copy bandwidth (read + write):", {k: f"{v / 1e12:.2f} TB/s"
+                                           for k, v in bw.items()},
+        flush=True)
+  failed = set(_CONFIGS.value)
+  try:
+    failed = _check(results)
+  except Exception:  # pylint: disable=broad-except
+    traceback.print_exc()
+  _time(results, copy_bw, failed)
+
+
+_SECTION_FNS = {"kernel": _kernel_section}
+
+
+flags.register_validator(
+    "sections", lambda names: set(names) <= set(_SECTION_FNS),
+    f"must name sections among {sorted(_SECTION_FNS)}")
+
+
+def main(argv):
+  del argv
+  dev = jax.devices()[0]
+  names = ("sections", "batch", "context", "heads", "head_dim", "page_sizes",
+           "new_tokens", "configs", "splits", "check_context",
+           "check_new_tokens", "copy_mib", "reps", "interpret")
+  results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+             "device": getattr(dev, "device_kind", str(dev)),
+             "jax": jax.__version__,
+             "flags": {n: flags.FLAGS[n].value for n in names}}
+  print("device:", results["device"], flush=True)
+  for name in _SECTIONS.value:
+    _SECTION_FNS[name](results)
+  _record(results, "done", True)
+
+
+if __name__ == "__main__":
+  cli.run(main)
