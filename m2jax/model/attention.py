@@ -23,6 +23,8 @@ attention of ordinary rows is `settings.attention` (cuDNN or XLA).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,24 @@ def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
+
+
+def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, config):
+  """The paged decode kernel; under a mesh that splits heads over "tensor"
+  it runs per device on its heads (a Pallas call is not partitioned by
+  XLA, so it is placed by shard_map)."""
+  call = functools.partial(paged_attention, config=config)
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = nn.logical_to_mesh_axes(("act_kv_heads",))
+  axis = axis[0] if axis is not None and len(axis) else None
+  if (mesh.empty or axis not in mesh.axis_names or mesh.shape[axis] == 1
+      or k_pages.shape[2] % mesh.shape[axis]):
+    return call(q, k_pages, v_pages, block_tables, kv_lens)
+  heads = jax.P(None, None, axis, None)
+  return jax.shard_map(
+      call, mesh=mesh, in_specs=(heads, heads, heads, jax.P(), jax.P()),
+      out_specs=heads, check_vma=False)(q, k_pages, v_pages, block_tables,
+                                        kv_lens)
 
 
 class Attention(nn.Module):
@@ -150,8 +170,8 @@ class Attention(nn.Module):
     v_pages = paged.write(cache.v_pages, v, cache.block_tables, positions_BxT,
                           cache.valid)
     if self.window is None and q.shape[1] <= paged.DECODE_TOKENS:
-      out = paged_attention(q, k_pages, v_pages, cache.block_tables,
-                            cache.kv_lens, config=cfg.settings.paged_attention)
+      out = _paged_attention(q, k_pages, v_pages, cache.block_tables,
+                             cache.kv_lens, cfg.settings.paged_attention)
     else:  # a prompt chunk (or a sliding window): gather the row's pages
       keys, values = (paged.gather(p, cache.block_tables)
                       for p in (k_pages, v_pages))
