@@ -21,6 +21,7 @@ CPU dry run (interpreted kernels, tiny sizes):
 """
 
 import datetime
+import functools
 import json
 import os
 import traceback
@@ -29,13 +30,16 @@ from absl import flags
 import jax
 import numpy as np
 
+from benchmarks import decode_cases as dc
 from benchmarks import paged_attention_cases as pc
 from benchmarks import timing
 from experiments import cli
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_kernel_h100.json",
                            "JSON results")
-_SECTIONS = flags.DEFINE_list("sections", ["kernel"], "what runs: kernel")
+_SECTIONS = flags.DEFINE_list(
+    "sections", ["kernel"], "what runs, in order: kernel, engine, spec, "
+    "prefix, hf (hf reads the engine section's numbers)")
 _INTERPRET = flags.DEFINE_bool("interpret", False,
                                "CPU dry run: Pallas kernels interpreted")
 _REPS = flags.DEFINE_integer("reps", 10, "timed repetitions")
@@ -178,7 +182,153 @@ def _kernel_section(results):
   _time(results, copy_bw, failed)
 
 
-_SECTION_FNS = {"kernel": _kernel_section}
+# ------------------------------------------------ the engine and peers ----
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "A trained run (pretrain / mtp_growth work directory)"
+    " for the engine sections; default: a fresh --preset model (random "
+    "weights: timing only, no acceptance)")
+_PRESET = flags.DEFINE_string("preset", "m2_small", "model without --workdir")
+_ENGINE_BATCHES = flags.DEFINE_list("engine_batches", ["1", "64", "256"],
+                                    "decode batch sizes of the engine section")
+_PROMPT = flags.DEFINE_integer("prompt", 128, "prompt tokens (engine, hf)")
+_GEN = flags.DEFINE_integer("gen", 128, "new tokens (engine, hf)")
+_DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
+                            "MTP draft tokens K of the spec section")
+_HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "64"],
+                                "batch sizes of HF transformers generate")
+_PREFIX = flags.DEFINE_string("prefix_case", "16x4096",
+                              "SAMPLESxPROMPT of the prefix section")
+cli.integer_lists("engine_batches", "drafts", "hf_batches")
+
+
+@functools.lru_cache(maxsize=1)
+def _run():
+  """(config, variables, source, data config, tokenizer) of the engine
+  sections (the last two None without --workdir)."""
+  # pylint: disable=import-outside-toplevel
+  from m2jax import config as config_lib
+  from m2jax import model
+  from m2jax.eval import runs
+  if _WORKDIR.value:
+    cfg, dcfg, tokenizer, variables, step = runs.load_run(_WORKDIR.value)
+    return cfg, variables, f"{_WORKDIR.value} step {step}", dcfg, tokenizer
+  cfg = config_lib.get_preset(_PRESET.value)
+  return (cfg, model.init(cfg, jax.random.key(0)), f"{_PRESET.value} random",
+          None, None)
+
+
+def _model():
+  return _run()[:3]
+
+
+def _bandwidth(results):
+  if "copy_bandwidth_bytes_per_s" not in results:
+    _record(results, "copy_bandwidth_bytes_per_s",
+            timing.copy_bandwidth(_COPY_MIB.value << 20, reps=_REPS.value))
+  return max(results["copy_bandwidth_bytes_per_s"].values())
+
+
+def _engine_section(results):
+  """Decode step time at each batch size next to its memory floor."""
+  cfg, variables, source = _model()
+  bw = _bandwidth(results)
+  rows = []
+  for batch in map(int, _ENGINE_BATCHES.value):
+    r = dc.time_engine(cfg, variables, batch=batch, prompt=_PROMPT.value,
+                       new_tokens=_GEN.value)
+    r.pop("outputs")
+    floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
+    r.update(source=source, floor_bytes=floor,
+             floor_ms=floor["total"] / bw * 1e3)
+    r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
+    rows.append(r)
+    print(f"engine B={batch}: step {r['step_ms']:.3f} ms, "
+          f"{r['tokens_per_sec']:,.0f} tok/s, floor {r['floor_ms']:.3f} ms "
+          f"({100 * r['fraction_of_floor']:.0f}% of floor)", flush=True)
+    _record(results, "engine", rows)
+
+
+def _spec_section(results):
+  """MTP speculative decoding at batch 1: tokens/s and acceptance per K."""
+  cfg, variables, source = _model()
+  rows, ref = [], None
+  for K in map(int, _DRAFTS.value):
+    if K > cfg.num_mtp_modules:
+      print(f"spec K={K}: the model has {cfg.num_mtp_modules} MTP modules")
+      continue
+    prompts = _held_out_prompts(cfg)
+    r = dc.time_engine(cfg, variables, batch=1, prompt=_PROMPT.value,
+                       new_tokens=_GEN.value, mtp_draft=K, prompts=prompts)
+    outputs = r.pop("outputs")
+    if ref is None:
+      ref = outputs
+    r["identical_to_plain_greedy"] = outputs == ref
+    r["source"] = source
+    rows.append(r)
+    base = rows[0]["tokens_per_sec"]
+    print(f"spec K={K}: {r['tokens_per_sec']:,.1f} tok/s "
+          f"({r['tokens_per_sec'] / base:.2f}x K=0), acceptance "
+          f"{r.get('acceptance', float('nan')):.2f} per depth "
+          f"{r.get('acceptance_at_depth')}, identical "
+          f"{r['identical_to_plain_greedy']}", flush=True)
+    _record(results, "spec", rows)
+
+
+def _held_out_prompts(cfg):
+  """A validation document of the run (or random tokens without one)."""
+  del cfg
+  if not _WORKDIR.value:
+    return None
+  from m2jax.data import make_dataset  # pylint: disable=import-outside-toplevel
+  _, _, _, dcfg, tokenizer = _run()
+  batch = next(iter(make_dataset(dcfg, tokenizer, "validation")))
+  return [[int(t) for t in np.asarray(batch["tokens"][0][:_PROMPT.value])]]
+
+
+def _prefix_section(results):
+  cfg, variables, source = _model()
+  samples, prompt = (int(x) for x in _PREFIX.value.split("x"))
+  r = dc.prefix_sharing(cfg, variables, samples=samples, prompt=prompt)
+  r["source"] = source
+  print(f"prefix {samples}x{prompt}: shared prefill "
+        f"{r['shared']['prefill_s']:.3f} s, {r['shared']['pages_held']} pages"
+        f" | independent {r['independent']['prefill_s']:.3f} s, "
+        f"{r['independent']['pages_held']} pages (one prompt: "
+        f"{r['prompt_pages']} pages)", flush=True)
+  _record(results, "prefix", r)
+
+
+def _hf_section(results):
+  """HF transformers generate on the same weights (hub layout), and the
+  engine's tokens/s at the same batch sizes from the engine section."""
+  # pylint: disable=import-outside-toplevel
+  import tempfile
+  from m2jax import hf
+  cfg, variables, source = _model()
+  rows = []
+  with tempfile.TemporaryDirectory() as d:
+    hf.save(d, cfg.replace(num_mtp_modules=0),
+            {**variables, "params": {k: v for k, v in
+                                     variables["params"].items()
+                                     if not k.startswith("mtp_")}})
+    for batch in map(int, _HF_BATCHES.value):
+      r = dc.hf_generate(d, batch=batch, prompt=_PROMPT.value,
+                         new_tokens=_GEN.value)
+      r["source"] = source
+      ours = [e for e in results.get("engine", []) if e["batch"] == batch]
+      if ours and "tokens_per_sec" in r:
+        r["engine_over_hf"] = ours[0]["tokens_per_sec"] / r["tokens_per_sec"]
+      rows.append(r)
+      print(f"hf B={batch}: {r.get('tokens_per_sec', float('nan')):,.1f} "
+            f"tok/s; ours / hf {r.get('engine_over_hf', float('nan')):.1f}x"
+            f"{' ' + r['error'][-300:] if 'error' in r else ''}", flush=True)
+      _record(results, "hf", rows)
+
+
+_SECTION_FNS = {"kernel": _kernel_section, "engine": _engine_section,
+                "spec": _spec_section, "prefix": _prefix_section,
+                "hf": _hf_section}
 
 
 flags.register_validator(
@@ -191,7 +341,9 @@ def main(argv):
   dev = jax.devices()[0]
   names = ("sections", "batch", "context", "heads", "head_dim", "page_sizes",
            "new_tokens", "configs", "splits", "check_context",
-           "check_new_tokens", "copy_mib", "reps", "interpret")
+           "check_new_tokens", "copy_mib", "reps", "interpret", "workdir",
+           "preset", "engine_batches", "prompt", "gen", "drafts",
+           "hf_batches", "prefix_case")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
              "device": getattr(dev, "device_kind", str(dev)),
              "jax": jax.__version__,

@@ -159,6 +159,22 @@ class _Seq:
     return self.request.params
 
 
+def inference_variables(config: ModelConfig, variables):
+  """The variables as generation reads them: every weight in the compute
+  dtype (decoding reads all active weights each step, so bf16 halves the
+  bytes), except the router, which routing keeps in float32 (SPEC §1)."""
+  cdt = jnp.dtype(config.compute_dtype)
+
+  def cast(path, x):
+    name = getattr(path[-1], "key", "")
+    if name == "router" or not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    return jnp.asarray(x, cdt)
+
+  return {**variables, "params": jax.tree_util.tree_map_with_path(
+      cast, variables["params"])}
+
+
 class Engine:
   """Continuous batching over a paged KV cache (see the module docstring)."""
 
@@ -178,6 +194,7 @@ class Engine:
     self.model_config, self.config = cfg, ec
     self.tokenizer = tokenizer
     self.mesh = mesh
+    variables = inference_variables(cfg, variables)
     if mesh is not None:
       sharding.check_mesh(cfg, mesh)
       variables = sharding.place(variables,
@@ -304,7 +321,7 @@ class Engine:
 
   def step(self) -> list[Event]:
     """Admit and prefill waiting work, then one decode step for all."""
-    self._admit()
+    self.admit()
     ready = [s for s in self.running if s.finish_reason is None]
     if ready:
       if self.config.mtp_draft:
@@ -324,9 +341,9 @@ class Engine:
 
   # ----------------------------------------------------------- admission --
 
-  def _admit(self):
-    """Prefill waiting requests (and preempted sequences) while there is
-    room in the batch and the pool."""
+  def admit(self):
+    """Admit and prefill waiting requests (and preempted sequences) while
+    there is room in the batch and the pool (`step` does this first)."""
     while self.waiting:
       item = self.waiting[0]
       n = item.params.n if isinstance(item, _Request) else 1
