@@ -48,16 +48,17 @@ def floor_bytes(cfg: ModelConfig, batch: int, context: int) -> dict:
 
 def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
                 new_tokens: int, page_size: int = 64, mtp_draft: int = 0,
-                seed: int = 0, prompts=None) -> dict:
-  """Greedy decode of `batch` prompts; step times after the first 8 steps
-  (compilation and prefill excluded)."""
+                decode_steps: int = 1, seed: int = 0, prompts=None) -> dict:
+  """Greedy decode of `batch` prompts (all rows finish together): the time
+  of one decode step (a token for every row), from the engine steps after
+  the first few (compilation and prefill excluded)."""
   rng = np.random.default_rng(seed)
   prompts = prompts or [list(rng.integers(3, cfg.vocab_size, prompt))
                         for _ in range(batch)]
   pages = batch * (-(-(prompt + new_tokens + mtp_draft + 1) // page_size)) + 2
   eng = Engine(cfg, variables, EngineConfig(
       page_size=page_size, num_pages=pages, max_batch=batch,
-      prefill_chunk=1024, mtp_draft=mtp_draft))
+      prefill_chunk=1024, mtp_draft=mtp_draft, decode_steps=decode_steps))
   rids = [eng.add_request(p, SamplingParams(temperature=0,
                                             max_tokens=new_tokens))
           for p in prompts]
@@ -71,12 +72,12 @@ def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
     eng.step()
     times.append(time.perf_counter() - t)
     tokens.append(eng.stats["decode_tokens"] - before)
-  warm = 8 if len(times) > 16 else len(times) // 2
-  step_s = float(np.median(times[warm:]))
+  warm = max(1, min(8, len(times) // 4))   # the first calls compile
+  tps = float(np.sum(tokens[warm:]) / np.sum(times[warm:]))
   out = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens,
-         "mtp_draft": mtp_draft, "prefill_and_compile_s": prefill_s,
-         "decode_steps": len(times), "step_ms": step_s * 1e3,
-         "tokens_per_sec": float(np.sum(tokens[warm:]) / np.sum(times[warm:])),
+         "mtp_draft": mtp_draft, "decode_steps_per_call": decode_steps,
+         "prefill_and_compile_s": prefill_s, "engine_calls": len(times),
+         "step_ms": 1e3 * batch / tps, "tokens_per_sec": tps,
          "outputs": [eng.result(r)[0].tokens for r in rids]}
   st = eng.stats
   if mtp_draft:

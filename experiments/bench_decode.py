@@ -193,6 +193,8 @@ _ENGINE_BATCHES = flags.DEFINE_list("engine_batches", ["1", "64", "256"],
                                     "decode batch sizes of the engine section")
 _PROMPT = flags.DEFINE_integer("prompt", 128, "prompt tokens (engine, hf)")
 _GEN = flags.DEFINE_integer("gen", 128, "new tokens (engine, hf)")
+_DECODE_STEPS = flags.DEFINE_integer(
+    "decode_steps", 16, "tokens per compiled engine call (plain decoding)")
 _DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
                             "MTP draft tokens K of the spec section")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "64"],
@@ -236,7 +238,8 @@ def _engine_section(results):
   rows = []
   for batch in map(int, _ENGINE_BATCHES.value):
     r = dc.time_engine(cfg, variables, batch=batch, prompt=_PROMPT.value,
-                       new_tokens=_GEN.value)
+                       new_tokens=_GEN.value,
+                       decode_steps=_DECODE_STEPS.value)
     r.pop("outputs")
     floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
     r.update(source=source, floor_bytes=floor,
@@ -259,7 +262,8 @@ def _spec_section(results):
       continue
     prompts = _held_out_prompts(cfg)
     r = dc.time_engine(cfg, variables, batch=1, prompt=_PROMPT.value,
-                       new_tokens=_GEN.value, mtp_draft=K, prompts=prompts)
+                       new_tokens=_GEN.value, mtp_draft=K, prompts=prompts,
+                       decode_steps=1)
     outputs = r.pop("outputs")
     if ref is None:
       ref = outputs
@@ -342,7 +346,8 @@ def main(argv):
   names = ("sections", "batch", "context", "heads", "head_dim", "page_sizes",
            "new_tokens", "configs", "splits", "check_context",
            "check_new_tokens", "copy_mib", "reps", "interpret", "workdir",
-           "preset", "engine_batches", "prompt", "gen", "drafts",
+           "preset", "engine_batches", "prompt", "gen", "decode_steps",
+           "drafts",
            "hf_batches", "prefix_case")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
              "device": getattr(dev, "device_kind", str(dev)),

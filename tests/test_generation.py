@@ -125,14 +125,15 @@ def test_mtp_over_the_cache_equals_training_mtp():
 ENGINE = EngineConfig(page_size=4, num_pages=64, max_batch=4, prefill_chunk=8)
 
 
-@pytest.mark.parametrize("max_batch", [1, 4])
-def test_engine_greedy_equals_reference_decoding(max_batch):
+@pytest.mark.parametrize("max_batch, decode_steps", [(1, 1), (4, 4)])
+def test_engine_greedy_equals_reference_decoding(max_batch, decode_steps):
   """Continuous batching (more prompts than batch rows, prompts across page
   boundaries, chunked prefill) gives plain greedy decoding's tokens."""
   v = _variables()
   prompts = _prompts(3, [5, 17, 9, 2, 12])
   want = [_greedy_reference(CFG, v, p, 6) for p in prompts]
-  eng = Engine(CFG, v, dataclasses.replace(ENGINE, max_batch=max_batch))
+  eng = Engine(CFG, v, dataclasses.replace(ENGINE, max_batch=max_batch,
+                                            decode_steps=decode_steps))
   out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
   assert [o[0].tokens for o in out] == want
   assert all(o[0].finish_reason == "length" for o in out)
@@ -206,7 +207,9 @@ def test_stop_tokens_and_strings():
   tok = ByteTokenizer()
   prompt = _prompts(8, [6])[0]
   free = _greedy_reference(CFG, v, prompt, 8)
-  eng = Engine(CFG, v, ENGINE, tokenizer=tok)
+  # Several tokens per compiled call: the stop lands inside a call.
+  eng = Engine(CFG, v, dataclasses.replace(ENGINE, decode_steps=4),
+               tokenizer=tok)
   [[s]] = eng.generate([prompt], SamplingParams(
       temperature=0, max_tokens=8, stop_token_ids=(free[3],)))
   assert s.tokens == free[:free.index(free[3]) + 1]

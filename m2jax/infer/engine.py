@@ -72,6 +72,10 @@ class EngineConfig:
   num_pages: pages in the pool (page 0 is reserved), shared by all layers.
   max_batch: sequences decoded together at most (the largest batch bucket).
   prefill_chunk: prompt tokens per prefill call and row.
+  decode_steps: tokens each sequence decodes per compiled call, with no
+    return to the host in between (amortises dispatch and the host sync;
+    requests join and leave every decode_steps tokens). Plain decoding
+    only; a speculative round is one call.
   mtp_draft: speculative draft tokens per round, K (0: plain decoding).
   prefix_cache: keep full prompt pages for reuse by later requests.
   max_seq_len: longest sequence (prompt + output); None: the model's
@@ -81,6 +85,7 @@ class EngineConfig:
   num_pages: int = 1024
   max_batch: int = 32
   prefill_chunk: int = 128
+  decode_steps: int = 1
   mtp_draft: int = 0
   prefix_cache: bool = True
   max_seq_len: int | None = None
@@ -97,6 +102,8 @@ class EngineConfig:
       fail("max_batch", "must be >= 1")
     if self.prefill_chunk < 1:
       fail("prefill_chunk", "must be >= 1")
+    if self.decode_steps < 1:
+      fail("decode_steps", "must be >= 1")
     if self.mtp_draft < 0:
       fail("mtp_draft", "must be >= 0")
     if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -112,6 +119,8 @@ def _bucket(n: int, cap: int | None = None, low: int = 1) -> int:
 
 # Smallest block-table width and prompt chunk (fewer shapes to compile).
 _MIN_PAGES, _MIN_CHUNK = 8, 8
+# Stop token ids a row checks on the device (more are checked on the host).
+_MAX_STOP_IDS = 8
 
 
 class Sample(NamedTuple):
@@ -506,22 +515,34 @@ class Engine:
     return B, tables, sa
 
   def _decode(self, seqs: list[_Seq]):
-    seqs = self._grow_or_preempt(seqs, 0)
-    B, tables, sa = self._batch(seqs, 0)
+    """`decode_steps` tokens for every sequence in one compiled call; a row
+    stops early at a stop token or its max_tokens (stop strings are cut on
+    the host afterwards)."""
+    n = self.config.decode_steps
+    seqs = self._grow_or_preempt(seqs, n - 1)
+    B, tables, sa = self._batch(seqs, n - 1)
     tokens = np.zeros(B, np.int32)
     kv_lens = np.zeros(B, np.int32)
+    budget = np.zeros(B, np.int32)
+    stops = np.full((B, _MAX_STOP_IDS), -1, np.int32)
     for r, s in enumerate(seqs):
       tokens[r] = s.tokens[-1]
       kv_lens[r] = len(s.tokens)
-    token, logprob, self.pages = self._call(
-        _decode_fn(self.model_config), self.variables, self.pages, tokens,
-        tables, kv_lens, sa)
-    token, logprob = np.asarray(token), np.asarray(logprob)
+      budget[r] = min(s.params.max_tokens - len(s.generated),
+                      self.max_seq_len - len(s.tokens))
+      ids = s.params.stop_token_ids[:_MAX_STOP_IDS]
+      stops[r, :len(ids)] = ids
+    out, logprob, count, self.pages = self._call(
+        _decode_fn(self.model_config, n), self.variables, self.pages, tokens,
+        tables, kv_lens, budget, stops, sa)
+    out, logprob, count = (np.asarray(x) for x in (out, logprob, count))
     for r, s in enumerate(seqs):
-      s.computed = len(s.tokens)
-      self._emit(s, [int(token[r])], [float(logprob[r])])
-    self.stats["decode_steps"] += 1
-    self.stats["decode_tokens"] += len(seqs)
+      c = int(count[r])
+      s.computed = len(s.tokens) + c - 1
+      self._emit(s, [int(t) for t in out[r, :c]],
+                 [float(x) for x in logprob[r, :c]])
+    self.stats["decode_steps"] += n
+    self.stats["decode_tokens"] += int(count[:len(seqs)].sum())
 
   def _emit(self, seq: _Seq, tokens: list[int], logprobs: list[float]):
     """Append tokens up to the first stop; finish the sample if it ends."""
@@ -649,14 +670,36 @@ def _prefill_fn(cfg: ModelConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_fn(cfg: ModelConfig):
+def _decode_fn(cfg: ModelConfig, steps: int):
+  """`steps` decode steps on the device: each row feeds its last token,
+  samples the next, and stops after a stop token or `budget` tokens (its
+  later steps write to the trash page and change nothing)."""
+
   @functools.partial(jax.jit, donate_argnums=(1,))
-  def decode(variables, pages, tokens_B, tables, kv_lens, sa):
-    valid = (kv_lens > 0)[:, None]
-    logits, _, pages = model.decode(cfg, variables, tokens_B[:, None], pages,
-                                    tables, kv_lens, valid)
-    token, logprob = sampling.sample(logits[:, 0], sa)
-    return token, logprob, pages
+  def decode(variables, pages, tokens_B, tables, kv_lens_B, budget_B,
+             stops_BxS, sa: SamplingArrays):
+    B = tokens_B.shape[0]
+
+    def step(i, carry):
+      pages, token, kv_lens, live, out, lps, count = carry
+      logits, _, pages = model.decode(cfg, variables, token[:, None], pages,
+                                      tables, kv_lens, live[:, None])
+      new, lp = sampling.sample(logits[:, 0],
+                                sa._replace(counter=sa.counter + i))
+      out = out.at[:, i].set(jnp.where(live, new, 0))
+      lps = lps.at[:, i].set(jnp.where(live, lp, 0.0))
+      count = count + live
+      stop = jnp.any(new[:, None] == stops_BxS, axis=1)
+      live = live & ~stop & (count < budget_B)
+      return (pages, jnp.where(live, new, token), kv_lens + live, live, out,
+              lps, count)
+
+    live = (kv_lens_B > 0) & (budget_B > 0)
+    carry = (pages, tokens_B, kv_lens_B, live,
+             jnp.zeros((B, steps), jnp.int32),
+             jnp.zeros((B, steps), jnp.float32), jnp.zeros(B, jnp.int32))
+    pages, _, _, _, out, lps, count = jax.lax.fori_loop(0, steps, step, carry)
+    return out, lps, count, pages
   return decode
 
 
