@@ -22,6 +22,7 @@ CPU dry run (interpreted kernels, tiny sizes):
 
 import datetime
 import functools
+import itertools
 import json
 import os
 import traceback
@@ -33,6 +34,7 @@ import numpy as np
 from benchmarks import decode_cases as dc
 from benchmarks import paged_attention_cases as pc
 from benchmarks import timing
+from kernels import gmm_mosaic
 from experiments import cli
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_kernel_h100.json",
@@ -193,6 +195,9 @@ _ENGINE_BATCHES = flags.DEFINE_list("engine_batches", ["1", "64", "256"],
                                     "decode batch sizes of the engine section")
 _PROMPT = flags.DEFINE_integer("prompt", 128, "prompt tokens (engine, hf)")
 _GEN = flags.DEFINE_integer("gen", 128, "new tokens (engine, hf)")
+_ENGINE_TILES = flags.DEFINE_list(
+    "engine_gmm_tiles", [""], "grouped-matmul tiles TILE_N.TILE_K.STAGES "
+    "of the engine section, one run each ('': picked per shape)")
 _DECODE_STEPS = flags.DEFINE_integer(
     "decode_steps", 16, "tokens per compiled engine call (plain decoding)")
 _DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
@@ -236,17 +241,24 @@ def _engine_section(results):
   cfg, variables, source = _model()
   bw = _bandwidth(results)
   rows = []
-  for batch in map(int, _ENGINE_BATCHES.value):
-    r = dc.time_engine(cfg, variables, batch=batch, prompt=_PROMPT.value,
+  for batch, tiles in itertools.product(map(int, _ENGINE_BATCHES.value),
+                                        _ENGINE_TILES.value):
+    run_cfg = cfg
+    if tiles:
+      n, k, stages = (int(x) for x in tiles.split("."))
+      run_cfg = cfg.replace(settings=cfg.settings.replace(
+          gmm_tiles=gmm_mosaic.TileConfig(tile_n=n, tile_k=k, stages=stages)))
+    r = dc.time_engine(run_cfg, variables, batch=batch, prompt=_PROMPT.value,
                        new_tokens=_GEN.value,
                        decode_steps=_DECODE_STEPS.value)
     r.pop("outputs")
+    r["gmm_tiles"] = tiles or "auto"
     floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
     r.update(source=source, floor_bytes=floor,
              floor_ms=floor["total"] / bw * 1e3)
     r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
     rows.append(r)
-    print(f"engine B={batch}: step {r['step_ms']:.3f} ms, "
+    print(f"engine B={batch} tiles {r['gmm_tiles']}: step {r['step_ms']:.3f} ms, "
           f"{r['tokens_per_sec']:,.0f} tok/s, floor {r['floor_ms']:.3f} ms "
           f"({100 * r['fraction_of_floor']:.0f}% of floor)", flush=True)
     _record(results, "engine", rows)
@@ -312,10 +324,11 @@ def _hf_section(results):
   cfg, variables, source = _model()
   rows = []
   with tempfile.TemporaryDirectory() as d:
-    hf.save(d, cfg.replace(num_mtp_modules=0),
-            {**variables, "params": {k: v for k, v in
-                                     variables["params"].items()
-                                     if not k.startswith("mtp_")}})
+    d = os.path.join(d, "hub")
+    main_only = {c: {k: v for k, v in tree.items()
+                     if not k.startswith("mtp_")}
+                 for c, tree in variables.items()}
+    hf.save(d, cfg.replace(num_mtp_modules=0), main_only)
     for batch in map(int, _HF_BATCHES.value):
       r = dc.hf_generate(d, batch=batch, prompt=_PROMPT.value,
                          new_tokens=_GEN.value)
@@ -346,7 +359,8 @@ def main(argv):
   names = ("sections", "batch", "context", "heads", "head_dim", "page_sizes",
            "new_tokens", "configs", "splits", "check_context",
            "check_new_tokens", "copy_mib", "reps", "interpret", "workdir",
-           "preset", "engine_batches", "prompt", "gen", "decode_steps",
+           "preset", "engine_batches", "engine_gmm_tiles", "prompt", "gen",
+           "decode_steps",
            "drafts",
            "hf_batches", "prefix_case")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -115,8 +115,22 @@ def arrays(params: list[SamplingParams], seeds: list[int],
 
 def log_q(logits_BxV, sa: SamplingArrays):
   """log of the sampling distribution q of every row (module docstring);
-  -1e30 outside its support. Greedy rows get log softmax(logits)."""
-  logits = logits_BxV.astype(jnp.float32)
+  -1e30 outside its support. Greedy rows get log softmax(logits).
+
+  The top-k / top-p truncation sorts the vocabulary of every row; a batch
+  in which no row truncates skips that sort.
+  """
+  truncates = jnp.any((sa.top_k > 0) | (sa.top_p < 1.0))
+  return jax.lax.cond(truncates, _log_q_truncated, _log_q_plain,
+                      logits_BxV.astype(jnp.float32), sa)
+
+
+def _log_q_plain(logits, sa: SamplingArrays):
+  t = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
+  return jax.nn.log_softmax(logits / t, axis=-1)
+
+
+def _log_q_truncated(logits, sa: SamplingArrays):
   V = logits.shape[-1]
   t = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
   scaled = logits / t
@@ -145,7 +159,12 @@ def keys(sa: SamplingArrays):
 def sample(logits_BxV, sa: SamplingArrays):
   """(tokens [B] int32, log q(token) [B] float32) for one position per row."""
   lq = log_q(logits_BxV, sa)
-  drawn = jax.vmap(jax.random.categorical)(keys(sa), lq)
-  token = jnp.where(sa.temperature > 0, drawn,
-                    jnp.argmax(logits_BxV, axis=-1)).astype(jnp.int32)
+  best = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  # An all-greedy batch draws no random numbers.
+  drawn = jax.lax.cond(
+      jnp.any(sa.temperature > 0),
+      lambda: jax.vmap(jax.random.categorical)(keys(sa), lq).astype(
+          jnp.int32),
+      lambda: best)
+  token = jnp.where(sa.temperature > 0, drawn, best)
   return token, jnp.take_along_axis(lq, token[:, None], axis=-1)[:, 0]

@@ -34,7 +34,9 @@ class Block(nn.Module):
     x = x + a
     h = norm("ffn_norm")(x)
     if cfg.ffn_type == "moe":
-      y, stats = MoE(cfg, name="moe")(h, segment_ids, valid)
+      # Generation (a cache) needs no routing statistics.
+      y, stats = MoE(cfg, name="moe")(h, segment_ids, valid,
+                                      stats=cache is None)
     else:
       y, stats = DenseFFN(cfg, name="mlp")(h), None
     return x + y, stats, new_cache

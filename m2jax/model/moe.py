@@ -281,15 +281,16 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
 
 
 class MoE(nn.Module):
-  """Sparse MoE FFN. Returns (output [B, T, D], RoutingStats).
+  """Sparse MoE FFN. Returns (output [B, T, D], RoutingStats or None).
 
   `segment_ids_BxT` (0 = padding) and `valid_BxT` (the tokens the routing
   statistics count) only feed the statistics: every token is routed.
+  `stats=False` (generation) skips the statistics and returns None.
   """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, segment_ids_BxT, valid_BxT):
+  def __call__(self, x_BxTxD, segment_ids_BxT, valid_BxT, stats=True):
     cfg = self.config
     B, T, D = x_BxTxD.shape
     E, F = cfg.num_experts, cfg.moe_intermediate_size
@@ -324,9 +325,11 @@ class MoE(nn.Module):
                                    mesh=mesh, token_axes=axes,
                                    settings=cfg.settings)
     y = y.astype(cdt).reshape(B, T, D)
+    y = constrain(y, ("act_batch", "act_length", "act_embed"))
+    if not stats:  # generation: nothing reads the statistics
+      return y, None
     doc_ids = jnp.where(valid_BxT, segment_ids_BxT, 0)
-    stats = summarize_routing(routing, doc_ids, E, dropped)
-    return constrain(y, ("act_batch", "act_length", "act_embed")), stats
+    return y, summarize_routing(routing, doc_ids, E, dropped)
 
 
 class DenseFFN(nn.Module):
