@@ -49,9 +49,10 @@ def floor_bytes(cfg: ModelConfig, batch: int, context: int) -> dict:
 def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
                 new_tokens: int, page_size: int = 64, mtp_draft: int = 0,
                 decode_steps: int = 1, seed: int = 0, prompts=None) -> dict:
-  """Greedy decode of `batch` prompts (all rows finish together): the time
-  of one decode step (a token for every row), from the engine steps after
-  the first few (compilation and prefill excluded)."""
+  """Greedy decode of `prompts` (default: `batch` random ones), at most
+  `batch` at a time: the time of one decode step (a token for every row),
+  from the engine steps after the first few that admit no request
+  (compilation and prefill excluded)."""
   rng = np.random.default_rng(seed)
   prompts = prompts or [list(rng.integers(3, cfg.vocab_size, prompt))
                         for _ in range(batch)]
@@ -68,10 +69,12 @@ def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
   times, tokens = [], []
   while eng.has_work():
     before = eng.stats["decode_tokens"]
+    prefills = eng.stats["prefill_calls"]
     t = time.perf_counter()
     eng.step()
-    times.append(time.perf_counter() - t)
-    tokens.append(eng.stats["decode_tokens"] - before)
+    if eng.stats["prefill_calls"] == prefills:   # decode only
+      times.append(time.perf_counter() - t)
+      tokens.append(eng.stats["decode_tokens"] - before)
   warm = min(8, len(times) // 4)   # the first calls may still compile
   tps = float(np.sum(tokens[warm:]) / np.sum(times[warm:]))
   out = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens,

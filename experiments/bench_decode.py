@@ -204,6 +204,8 @@ _DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
                             "MTP draft tokens K of the spec section")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "64"],
                                 "batch sizes of HF transformers generate")
+_SPEC_PROMPTS = flags.DEFINE_integer(
+    "spec_prompts", 4, "held-out prompts of the spec section (one at a time)")
 _PREFIX = flags.DEFINE_string("prefix_case", "16x4096",
                               "SAMPLESxPROMPT of the prefix section")
 cli.integer_lists("engine_batches", "drafts", "hf_batches")
@@ -279,7 +281,7 @@ def _spec_section(results):
     outputs = r.pop("outputs")
     if ref is None:
       ref = outputs
-    r["identical_to_plain_greedy"] = outputs == ref
+    r["identical_to_plain_greedy"] = [o == w for o, w in zip(outputs, ref)]
     r["source"] = source
     rows.append(r)
     base = rows[0]["tokens_per_sec"]
@@ -299,7 +301,8 @@ def _held_out_prompts(cfg):
   from m2jax.data import make_dataset  # pylint: disable=import-outside-toplevel
   _, _, _, dcfg, tokenizer = _run()
   batch = next(iter(make_dataset(dcfg, tokenizer, "validation")))
-  return [[int(t) for t in np.asarray(batch["tokens"][0][:_PROMPT.value])]]
+  rows = np.asarray(batch["tokens"])[:_SPEC_PROMPTS.value, :_PROMPT.value]
+  return [[int(t) for t in row] for row in rows]
 
 
 def _prefix_section(results):
@@ -362,7 +365,7 @@ def main(argv):
            "preset", "engine_batches", "engine_gmm_tiles", "prompt", "gen",
            "decode_steps",
            "drafts",
-           "hf_batches", "prefix_case")
+           "hf_batches", "prefix_case", "spec_prompts")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
              "device": getattr(dev, "device_kind", str(dev)),
              "jax": jax.__version__,
