@@ -300,12 +300,15 @@ def initialize_distributed(coordinator_address: str | None = None,
   0.11.2's default `jax_cpu_collectives_implementation`.
 
   A process that dies (killed, out of memory, its host gone) stops sending
-  heartbeats; `heartbeat_timeout_s` later the coordination service ends
-  every other process with the one-line fatal error "Terminating process
-  because the JAX distributed service detected fatal errors. This most
-  likely indicates that another task died", instead of leaving them blocked
-  in a collective. If process 0 dies, the others end at once (their link
-  to the service breaks).
+  heartbeats; within `heartbeat_timeout_s` (8 s for 10 on CPU) the
+  coordination service on process 0 ends every other process with the
+  one-line fatal error "Terminating process because the JAX distributed
+  service detected fatal errors. This most likely indicates that another
+  task died", followed by the dead task's number, instead of leaving them
+  blocked in a collective. If process 0 dies, the others end at once (their
+  link to the service breaks). That error is JAX's own: the hook that would
+  replace it (jaxlib's `missed_heartbeat_callback`) is not reachable through
+  `jax.distributed.initialize` in jax 0.11.2.
   """
   given = [coordinator_address, num_processes, process_id]
   if any(v is not None for v in given) and any(v is None for v in given):

@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from m2jax import sharding
 from m2jax.data import DataConfig, make_iterator, make_tokenizer
 
-MESH = "data=2,expert=4"
+MESH = "fsdp=2,expert=4"
 DATA = DataConfig(seq_len=64, batch_size=8)
 BATCHES = 3
 

@@ -2,7 +2,8 @@
 
 Each process has 4 fake CPU devices; `jax.distributed` joins them through a
 coordinator on 127.0.0.1 (gloo carries their collectives) into one mesh of
-8 devices, data=2 x expert=4. The tests run the real command,
+8 devices, fsdp=2 x expert=4 (fsdp across the processes, as across
+hosts). The tests run the real command,
 `python -m experiments.pretrain ... --coordinator_address=127.0.0.1:PORT
 --num_processes=2 --process_id=I`, and check that
 
@@ -22,6 +23,7 @@ killed when its test ends, whatever happened.
 
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -36,7 +38,7 @@ from m2jax import sharding
 from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESH = "data=2,expert=4"
+MESH = "fsdp=2,expert=4"
 # One layer of the tiny preset, 4 steps of 8 rows of 64 tokens, a checkpoint
 # every 2 steps; nothing the equality does not need (sample, late evals).
 FLAGS = ("--preset=tiny", "--override=num_layers=1", f"--mesh={MESH}",
@@ -46,12 +48,14 @@ FLAGS = ("--preset=tiny", "--override=num_layers=1", f"--mesh={MESH}",
 STEPS = ("--steps=4", "--checkpoint_every=2")
 # Two processes against one: the same float32 sums reduced in another order
 # (gloo across processes, in-process otherwise), which after a few Adam
-# steps differ by ~2e-7 relative (measured); a wrong row in a batch of 8
-# moves the loss by 1e-2 and more.
+# steps differ by ~2e-7 relative (measured); wrong rows in the batch moved
+# it by 1e-2 (measured, 2e-3 relative).
 RTOL = 1e-5
-# Seconds: any one process, and a survivor after its peer is killed.
+# Seconds: any one process; --heartbeat_timeout of the killed run. Its
+# survivor ended 8 s after the kill (JAX's default, 100 s: 52 s and more).
 PROCESS_TIMEOUT = 400
 HEARTBEAT_TIMEOUT = 10
+SURVIVOR_TIMEOUT = HEARTBEAT_TIMEOUT + 20
 # JAX 0.11.2's error when the coordination service stops hearing from a
 # process (xla/pjrt/distributed/client.h); the lines after it name the task.
 PEER_GONE = ("Terminating process because the JAX distributed service "
@@ -106,16 +110,31 @@ class _Children:
     return f"--- {name} ---\n" + self.log(name)[-3000:]
 
   def wait_ok(self, *names: str, timeout: float = PROCESS_TIMEOUT) -> None:
-    """Wait for `names` to exit 0 (together at most `timeout` seconds)."""
+    """Wait for `names` to exit 0, together at most `timeout` seconds; fail
+    as soon as one exits otherwise (its peers would wait for it)."""
     end = time.monotonic() + timeout
-    for name in names:
-      try:
-        rc = self.procs[name].wait(timeout=max(end - time.monotonic(), 1))
-      except subprocess.TimeoutExpired:
-        raise AssertionError(f"{name} still running after {timeout}s\n"
-                             + "\n".join(map(self.tail, names))) from None
-      assert rc == 0, f"{name} exited {rc}\n" + "\n".join(
+    while True:
+      codes = {n: self.procs[n].poll() for n in names}
+      failed = {n: c for n, c in codes.items() if c}  # None: running
+      assert not failed, f"exit codes {failed}\n" + "\n".join(
           map(self.tail, names))
+      if all(c == 0 for c in codes.values()):
+        return
+      assert time.monotonic() < end, (
+          f"{[n for n, c in codes.items() if c is None]} still running after "
+          f"{timeout}s\n" + "\n".join(map(self.tail, names)))
+      time.sleep(0.2)
+
+  def wait_until(self, done, what: str, timeout: float = PROCESS_TIMEOUT):
+    """Wait until `done()` while every child runs (at most `timeout` s)."""
+    end = time.monotonic() + timeout
+    while not done():
+      for name, proc in self.procs.items():
+        assert proc.poll() is None, f"{name} exited before {what}\n" + (
+            self.tail(name))
+      assert time.monotonic() < end, f"no {what} after {timeout}s\n" + (
+          "\n".join(map(self.tail, self.procs)))
+      time.sleep(0.5)
 
   def __enter__(self):
     return self
@@ -138,14 +157,15 @@ def _multihost(address: str, process_id: int) -> tuple[str, ...]:
           f"--process_id={process_id}")
 
 
-def _losses(workdir: str) -> dict[int, tuple[float, float]]:
-  """{step: (loss, ce)} of the train lines of a run's metrics.jsonl."""
+def _losses(workdir: str, keys=("loss", "ce")) -> dict[int, tuple]:
+  """{step: values of `keys`} of the lines of a run's metrics.jsonl that
+  hold them (train lines; ("val_loss",): eval lines)."""
   out = {}
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     for line in f:
       m = json.loads(line)
-      if "loss" in m:
-        out[m["step"]] = (m["loss"], m["ce"])
+      if keys[0] in m:
+        out[m["step"]] = tuple(m[k] for k in keys)
   return out
 
 
@@ -192,6 +212,13 @@ def test_one_process_holds_every_row():
     sharding.shard_batch({"tokens": np.zeros((3, 3))}, mesh, 4)
 
 
+def test_multi_host_arguments_are_checked_before_jax_starts():
+  with pytest.raises(sharding.MeshError, match="give all of"):
+    sharding.initialize_distributed("127.0.0.1:1", 2)
+  with pytest.raises(sharding.MeshError, match="heartbeat timeout must be"):
+    sharding.initialize_distributed("127.0.0.1:1", 2, 0, heartbeat_timeout_s=0)
+
+
 # Two processes ---------------------------------------------------------------
 
 
@@ -208,9 +235,11 @@ def test_two_processes_train_like_one_and_resume_on_one(tmp_path):
     two_losses = _losses(two)
     _assert_close(two_losses, _losses(one), range(1, 5),
                   "2 processes x 4 devices vs 1 x 8: loss, ce per step")
+    _assert_close(_losses(two, ("val_loss",)), _losses(one, ("val_loss",)),
+                  (0, 4), "2 processes x 4 devices vs 1 x 8: val_loss")
 
     # Both processes wrote their shards of each step (orbax: one OCDBT store
-    # per process; the expert-sharded arrays of process 1 are only there).
+    # per process; the fsdp halves of process 1 are only there).
     for step in (2, 4):
       state = os.path.join(two, "checkpoints", str(step), "state")
       for i in range(2):
@@ -278,20 +307,15 @@ def test_killed_process_ends_the_other_with_an_error(tmp_path):
           f"--heartbeat_timeout={HEARTBEAT_TIMEOUT}",
           *_multihost(address, i)), _env(4))
     # Until both train (process 0 logs every step).
-    deadline = time.monotonic() + PROCESS_TIMEOUT
-    while not (os.path.exists(metrics) and '"loss"' in open(metrics).read()):
-      for name, proc in children.procs.items():
-        assert proc.poll() is None, f"{name} exited early\n" + children.tail(
-            name)
-      assert time.monotonic() < deadline, children.tail("run0")
-      time.sleep(0.5)
+    children.wait_until(lambda: os.path.exists(metrics) and '"loss"' in (
+        pathlib.Path(metrics).read_text()), "a train step")
     children.procs["run1"].send_signal(signal.SIGKILL)
     try:
-      rc = children.procs["run0"].wait(timeout=HEARTBEAT_TIMEOUT + 60)
+      rc = children.procs["run0"].wait(timeout=SURVIVOR_TIMEOUT)
     except subprocess.TimeoutExpired:
       raise AssertionError(
-          f"process 0 still running {HEARTBEAT_TIMEOUT + 60}s after process "
-          "1 was killed\n" + children.tail("run0")) from None
+          f"process 0 still running {SURVIVOR_TIMEOUT}s after process 1 was "
+          "killed\n" + children.tail("run0")) from None
     log = children.log("run0")
   assert rc != 0, log[-3000:]
   assert PEER_GONE in log, log[-3000:]
