@@ -316,7 +316,7 @@ def initialize_distributed(coordinator_address: str | None = None,
                     "--num_processes and --process_id, or none of them "
                     "(auto-detect)")
   if heartbeat_timeout_s < 1:
-    raise MeshError(f"multi-host: the heartbeat timeout must be >= 1 second, "
+    raise MeshError(f"multi-host: --heartbeat_timeout must be >= 1 second, "
                     f"got {heartbeat_timeout_s}")
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
                              local_device_ids=local_device_ids,
@@ -331,6 +331,8 @@ def primary_first(make: Callable[[], T]) -> T:
   """
   if jax.process_count() == 1:
     return make()
-  out = make() if jax.process_index() == 0 else None
+  primary = jax.process_index() == 0
+  if primary:
+    out = make()
   multihost_utils.sync_global_devices("m2jax.primary_first")
-  return make() if out is None else out
+  return out if primary else make()

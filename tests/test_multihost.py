@@ -215,7 +215,7 @@ def test_one_process_holds_every_row():
 def test_multi_host_arguments_are_checked_before_jax_starts():
   with pytest.raises(sharding.MeshError, match="give all of"):
     sharding.initialize_distributed("127.0.0.1:1", 2)
-  with pytest.raises(sharding.MeshError, match="heartbeat timeout must be"):
+  with pytest.raises(sharding.MeshError, match="heartbeat_timeout must be"):
     sharding.initialize_distributed("127.0.0.1:1", 2, 0, heartbeat_timeout_s=0)
 
 
