@@ -83,6 +83,10 @@ def define(flag_values: flags.FlagValues = FLAGS) -> None:
                       "Multi-host: host:port of process 0.", **d)
   flags.DEFINE_integer("num_processes", None, "Multi-host: process count.", **d)
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.", **d)
+  flags.DEFINE_integer(
+      "heartbeat_timeout", sharding.HEARTBEAT_TIMEOUT_S,
+      "Multi-host: seconds without heartbeats after which a process counts "
+      "as dead and the coordinator ends every other process.", **d)
 
 
 def xla_flags_for(mesh_spec: str, all_to_all: str, decomposer: bool,
@@ -148,7 +152,8 @@ def from_flags():
     logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
                     RAGGED_DECOMPOSER_FLAG)
   if FLAGS.distributed or FLAGS.coordinator_address is not None:
-    sharding.initialize_distributed(FLAGS.coordinator_address,
-                                    FLAGS.num_processes, FLAGS.process_id)
+    sharding.initialize_distributed(
+        FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+        heartbeat_timeout_s=FLAGS.heartbeat_timeout)
   mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
   return mesh, settings

@@ -21,9 +21,12 @@ are experiments/run_flags.py.
 
 `LOGICAL_RULES` is the single table from the model's logical axis names
 (m2jax.model.layers) to mesh axes. The expert bias is replicated: every
-device routes its own tokens over all experts. Multi-host runs call
-`initialize_distributed` first; each process then feeds the same global
-batch and `shard_batch` keeps only its devices' rows.
+device routes its own tokens over all experts.
+
+Multi-host runs call `initialize_distributed` first. Each process then reads
+only `process_rows(mesh, batch_size)` of every global batch (the data
+pipeline's `rows`), and `shard_batch` assembles the global array from those
+rows; the union over processes is exactly the batch one process would read.
 """
 
 from __future__ import annotations
@@ -31,16 +34,20 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from typing import Callable, TypeVar
 
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.errors import UserError
+
+T = TypeVar("T")
 
 AXES = ("data", "fsdp", "expert", "tensor")
 # Axes the batch (and every token-indexed activation) is split over.
@@ -223,27 +230,109 @@ def _place_one(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
 
-def shard_batch(batch: dict, mesh) -> dict:
-  """A host batch (the same global batch on every process) as global arrays
-  split by `batch_sharding`; each process uploads only its own rows."""
+def process_rows(mesh, batch_size: int) -> np.ndarray:
+  """[R] int64: the rows of a global batch of `batch_size` rows that this
+  process's devices hold under `batch_sharding(mesh)`, ascending.
+
+  All rows with one process. Processes split over data / fsdp / expert hold
+  disjoint rows; ones that differ only along `tensor` hold the same rows.
+  """
+  if batch_size % batch_shards(mesh):
+    raise MeshError(f"batch_size={batch_size} is not divisible by data*fsdp*"
+                    f"expert={batch_shards(mesh)} ({format_mesh(mesh)})")
+  rows_B = np.arange(batch_size)
+  held = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+  return np.unique(np.concatenate([rows_B[index[0]]
+                                   for index in held.values()]))
+
+
+def shard_batch(batch: dict, mesh, batch_size: int | None = None) -> dict:
+  """A host batch as global arrays split by `batch_sharding(mesh)`.
+
+  `batch` is the whole global batch (`batch_size` None: every process holds
+  the same one) or this process's rows of a global batch of `batch_size`
+  rows: `process_rows(mesh, batch_size)`, in that order (what the data
+  pipeline yields for `rows=process_rows(...)`). Each process uploads only
+  its own rows either way.
+  """
   sharding = batch_sharding(mesh)
-  return {k: _place_one(np.asarray(v), sharding) for k, v in batch.items()}
+  if batch_size is None:
+    return {k: _place_one(np.asarray(v), sharding) for k, v in batch.items()}
+  rows_R = process_rows(mesh, batch_size)
+
+  def one(key, local):
+    local = np.asarray(local)
+    if local.shape[0] != len(rows_R):
+      raise MeshError(
+          f"batch[{key!r}] has {local.shape[0]} rows but this process holds "
+          f"{len(rows_R)} of the {batch_size} rows of a global batch "
+          f"({format_mesh(mesh)})")
+    # A device's rows are a slice of the global batch; `rows_R` says where
+    # each of them is in `local`.
+    where = lambda index: local[np.searchsorted(
+        rows_R, np.arange(batch_size)[index[0]])][(slice(None),) + index[1:]]
+    return jax.make_array_from_callback(
+        (batch_size,) + local.shape[1:], sharding, where)
+
+  return {k: one(k, v) for k, v in batch.items()}
+
+
+# Multi-host --------------------------------------------------------------
+
+# jax.distributed.initialize's default, in seconds: how long the coordinator
+# waits for a process that stopped sending heartbeats before it ends every
+# other process.
+HEARTBEAT_TIMEOUT_S = 100
 
 
 def initialize_distributed(coordinator_address: str | None = None,
                            num_processes: int | None = None,
                            process_id: int | None = None,
-                           local_device_ids=None) -> None:
+                           local_device_ids=None, *,
+                           heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
+                           ) -> None:
   """`jax.distributed.initialize` for multi-host runs (before any JAX use).
 
-  With no arguments JAX auto-detects SLURM / Open MPI / cloud TPU settings;
-  otherwise give all three of address (host:port of process 0), the number of
-  processes and this process's id.
+  With no address, count or id JAX auto-detects SLURM / Open MPI / cloud
+  TPU settings; otherwise give all three: host:port of process 0 (which
+  serves the coordination service there), the number of processes and this
+  process's id. On CPU the processes' collectives go over gloo (TCP), jax
+  0.11.2's default `jax_cpu_collectives_implementation`.
+
+  A process that dies (killed, out of memory, its host gone) stops sending
+  heartbeats; within `heartbeat_timeout_s` (8 s for 10 on CPU) the
+  coordination service on process 0 ends every other process with the
+  one-line fatal error "Terminating process because the JAX distributed
+  service detected fatal errors. This most likely indicates that another
+  task died", followed by the dead task's number, instead of leaving them
+  blocked in a collective. If process 0 dies, the others end at once (their
+  link to the service breaks). That error is JAX's own: the hook that would
+  replace it (jaxlib's `missed_heartbeat_callback`) is not reachable through
+  `jax.distributed.initialize` in jax 0.11.2.
   """
   given = [coordinator_address, num_processes, process_id]
   if any(v is not None for v in given) and any(v is None for v in given):
     raise MeshError("multi-host: give all of --coordinator_address, "
                     "--num_processes and --process_id, or none of them "
                     "(auto-detect)")
+  if heartbeat_timeout_s < 1:
+    raise MeshError(f"multi-host: --heartbeat_timeout must be >= 1 second, "
+                    f"got {heartbeat_timeout_s}")
   jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                             local_device_ids=local_device_ids)
+                             local_device_ids=local_device_ids,
+                             heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def primary_first(make: Callable[[], T]) -> T:
+  """`make()` on process 0, then on the others once process 0 is done.
+
+  For what process 0 creates in the shared run directory (the tokenizer)
+  and the others then read rather than write at the same time.
+  """
+  if jax.process_count() == 1:
+    return make()
+  primary = jax.process_index() == 0
+  if primary:
+    out = make()
+  multihost_utils.sync_global_devices("m2jax.primary_first")
+  return out if primary else make()

@@ -188,7 +188,8 @@ def test_packing_preserves_documents_and_respects_boundaries(
   for batch in batches:
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
         "tokens": ((B, T), np.int32), "segment_ids": ((B, T), np.int32),
-        "positions": ((B, T), np.int32), "num_bytes": ((B,), np.int32)}
+        "positions": ((B, T), np.int32), "num_bytes": ((B,), np.int32),
+        "row_ids": ((B,), np.int32)}
     seg = batch["segment_ids"]
     # Segment ids are 1..n in contiguous blocks, padding (0) only at the end.
     for row in seg:

@@ -8,6 +8,9 @@ tokens by grain's ConcatThenSplitIterDataset. A batch is a dict of numpy arrays:
   positions    [B, T] int32  position within the document, 0 at its start
   num_bytes    [B]    int32  UTF-8 bytes of the row's next-token targets (the
                              tokens where `next_token_targets(...)[1]` is True)
+  row_ids      [B]    int32  the row's index in its pipeline's packed-row
+                             stream, -1 for padding (m2jax/data/pipeline.py;
+                             other batch makers may leave it out)
 
 A document longer than the rest of a row is split: its continuation starts the
 next row with a fresh segment id and positions restarting at 0 (it lacks BOS,

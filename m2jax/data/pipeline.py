@@ -15,6 +15,18 @@ grain DatasetIterators whose `get_state()` is a small JSON-serialisable dict
 bitwise those of an uninterrupted run. grain's orbax hooks (`save`/`load`)
 work on them too.
 
+Every row of a batch carries its id, `row_ids`: its index in the stream of
+packed rows from `start_document` on (before the row shuffle; -1 for the
+validation padding).
+
+Multi-host: with `rows` (m2jax.sharding.process_rows) a process gets only
+those rows of every global batch, in that order. Packing is sequential
+(where a row starts depends on every document before it), so each process
+still tokenizes and packs the whole stream, then keeps only its rows of each
+batch: the union over processes is exactly the batch of `rows=None`, and the
+iterator state does not depend on `rows` (a checkpoint resumes on any
+process count).
+
 Context stages (m2jax/train/loop.py) re-pack one stream at a new seq_len: a
 stage starts at `next_stage_start(...)`, one past the last document whose
 tokens were in any batch of the stage before (its iterator's
@@ -62,6 +74,8 @@ SPLITS = ("train", "validation")
 # The packed meta feature holding each row's documents as stream position + 1
 # (0: an empty slot).
 _DOCUMENT = "document"
+# The batch key of each row's index in the packed-row stream.
+ROW_IDS = "row_ids"
 
 
 def make_tokenizer(config: DataConfig, directory: str | None = None
@@ -100,18 +114,27 @@ def make_tokenizer(config: DataConfig, directory: str | None = None
 def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
                  split: str = "train",
                  documents: Sequence[str] | None = None,
-                 start_document: int = 0) -> grain.IterDataset:
+                 start_document: int = 0,
+                 rows: Sequence[int] | None = None) -> grain.IterDataset:
   """The batch pipeline of `split` ("train": infinite, "validation": one pass).
 
   `documents` overrides the split's documents (default:
   `corpus.split_documents(config)[split]`). `start_document` is the stream
   position of the first document read (train: counted over all epochs).
+  `rows` (distinct indices below `batch_size`) keeps only those rows of
+  every batch, in that order (None: all).
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   if not _is_position(start_document):
     raise ValueError(f"start_document must be an integer >= 0, got "
                      f"{start_document!r}")
+  if rows is not None:
+    rows = np.asarray(rows)
+    if (rows.ndim != 1 or not len(rows) or len(set(rows.tolist())) != len(rows)
+        or rows.min() < 0 or rows.max() >= config.batch_size):
+      raise ValueError(f"rows must be distinct indices in [0, "
+                       f"{config.batch_size}), got {rows.tolist()}")
   if documents is None:
     documents = corpus.split_documents(config)[split]
   if not len(documents):  # pylint: disable=g-explicit-length-test
@@ -127,21 +150,25 @@ def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
       "tokens": tokenizer_lib.encode_document(tokenizer, text),
       _DOCUMENT: np.int64(position + 1)})
   docs = docs[start_document:]
-  rows = docs.to_iter_dataset(grain.ReadOptions(
+  packed = docs.to_iter_dataset(grain.ReadOptions(
       num_threads=config.num_threads,
       prefetch_buffer_size=4 * config.num_threads))
   # A row holds at most seq_len / 2 documents (each has BOS and EOS), so the
   # meta feature never limits packing; a split document is in both rows.
-  rows = grain_exp.ConcatThenSplitIterDataset(
-      rows, length_struct={"tokens": config.seq_len,
-                           _DOCUMENT: config.seq_len},
+  packed = grain_exp.ConcatThenSplitIterDataset(
+      packed, length_struct={"tokens": config.seq_len,
+                             _DOCUMENT: config.seq_len},
       meta_features=(_DOCUMENT,))
+  packed = packed.map_with_index(
+      lambda row_id, row: {**row, ROW_IDS: np.int32(row_id)})
   if train and config.shuffle_window > 1:
-    rows = grain_exp.WindowShuffleIterDataset(
-        rows, window_size=config.shuffle_window, seed=config.seed)
-  batches = rows.batch(config.batch_size, drop_remainder=train)
+    packed = grain_exp.WindowShuffleIterDataset(
+        packed, window_size=config.shuffle_window, seed=config.seed)
+  # Whole batches, then this process's rows: the stream position the
+  # iterator state records must be the whole batch's, the same everywhere.
+  batches = packed.batch(config.batch_size, drop_remainder=train)
   batches = batches.map(functools.partial(
-      _finish_batch, batch_size=config.batch_size,
+      _finish_batch, rows=rows, batch_size=config.batch_size,
       pad_id=tokenizer.pad_id, byte_lengths_V=tokenizer.byte_lengths()))
   if config.prefetch_batches:
     batches = grain_exp.ThreadPrefetchIterDataset(
@@ -152,7 +179,8 @@ def make_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
 def make_iterator(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
                   split: str = "train", state: dict[str, Any] | None = None,
                   documents: Sequence[str] | None = None,
-                  start_document: int = 0) -> grain.DatasetIterator:
+                  start_document: int = 0,
+                  rows: Sequence[int] | None = None) -> grain.DatasetIterator:
   """An iterator over `make_dataset(...)`, resumed from `state` if given.
 
   A state carries its own start_document; passing another one is an error.
@@ -162,7 +190,8 @@ def make_iterator(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
       raise ValueError(f"start_document {start_document} contradicts the "
                        f"state's {state['start_document']}")
     start_document = state["start_document"]
-  it = iter(make_dataset(config, tokenizer, split, documents, start_document))
+  it = iter(make_dataset(config, tokenizer, split, documents, start_document,
+                         rows))
   if state is not None:
     it.set_state(state)
   return it
@@ -208,11 +237,18 @@ def bytes_per_token(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
   return total_bytes / max(total_targets, 1)
 
 
-def _finish_batch(packed: dict[str, np.ndarray], **kwargs
-                  ) -> tuple[dict[str, np.ndarray], int]:
-  """(the batch, one past the highest stream position it holds tokens of)."""
+def _finish_batch(packed: dict[str, np.ndarray], *, rows, batch_size: int,
+                  **kwargs) -> tuple[dict[str, np.ndarray], int]:
+  """(the batch's `rows` (None: all), one past the highest stream position
+  the whole batch holds tokens of)."""
   stream_end = int(packed.pop(_DOCUMENT).max(initial=0))
-  return packing.finish_batch(packed, **kwargs), stream_end
+  row_ids_B = packed.pop(ROW_IDS)
+  batch = packing.finish_batch(packed, batch_size=batch_size, **kwargs)
+  batch[ROW_IDS] = np.pad(row_ids_B, (0, batch_size - len(row_ids_B)),
+                          constant_values=-1)
+  if rows is not None:
+    batch = {k: v[rows] for k, v in batch.items()}
+  return batch, stream_end
 
 
 def _is_position(value) -> bool:

@@ -14,8 +14,10 @@ and continues exactly: losses and parameters equal an uninterrupted run.
 With `mesh` (m2jax.sharding) the state lives sharded, batches are split over
 data x fsdp x expert and the MoE runs expert-parallel; checkpoints are saved
 and restored sharded (onto whatever mesh the resuming run uses). In a
-multi-host run every process runs this loop on the same global batches;
-process 0 alone writes config.json, metrics and the sample.
+multi-host run every process runs this loop on its own rows of the same
+global batches (m2jax.sharding.process_rows); process 0 alone writes
+config.json, the tokenizer, metrics and the sample; every process writes
+its shards of each checkpoint.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
              max_batches: int, mesh=None) -> dict:
   """Validation loss in nats per token and bits per byte."""
   nats = tokens = nbytes = 0.0
-  for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation")):
+  for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation",
+                                        rows=_rows(mesh, data_config))):
     if i >= max_batches:
       break
-    out = eval_fn(state, _device_batch(batch, mesh))
+    out = eval_fn(state, _device_batch(batch, mesh, data_config.batch_size))
     nats += float(out["nats"])
     tokens += float(out["tokens"])
     nbytes += float(out["bytes"])
@@ -80,27 +83,36 @@ def _stage_at(stages, step: int) -> int:
   return max(i for i, (first, _) in enumerate(stages) if first <= step)
 
 
-def _stage_iterator(stages, stage: int, tokenizer, data_state):
-  """The train iterator of `stage`.
+def _stage_iterator(stages, stage: int, tokenizer, data_state, mesh=None):
+  """The train iterator of `stage` (this process's rows of its batches).
 
   `data_state` ({"stage", "iterator"}: a checkpoint's, or the stage before's
   at its end, or None) resumes it when it is this stage's; otherwise the stage
   continues the stream where stage data_state["stage"] stopped.
   """
   config = stages[stage][1]
+  rows = _rows(mesh, config)
   if data_state is None:
-    return make_iterator(config, tokenizer, "train")
+    return make_iterator(config, tokenizer, "train", rows=rows)
   if data_state["stage"] == stage:
     return make_iterator(config, tokenizer, "train",
-                         state=data_state["iterator"])
+                         state=data_state["iterator"], rows=rows)
   start = next_stage_start(stages[data_state["stage"]][1],
                            data_state["iterator"], config)
-  return make_iterator(config, tokenizer, "train", start_document=start)
+  return make_iterator(config, tokenizer, "train", start_document=start,
+                       rows=rows)
 
 
-def _device_batch(batch, mesh=None):
+def _rows(mesh, config: DataConfig):
+  """The rows of each global batch this process reads (None: all)."""
+  return None if mesh is None else sharding.process_rows(mesh,
+                                                          config.batch_size)
+
+
+def _device_batch(batch, mesh=None, batch_size=None):
+  """A batch of `_rows(mesh, ...)` of global batches of `batch_size` rows."""
   if mesh is not None:
-    return sharding.shard_batch(batch, mesh)
+    return sharding.shard_batch(batch, mesh, batch_size)
   return {k: np.asarray(v) for k, v in batch.items()}
 
 
@@ -152,7 +164,9 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   primary = jax.process_index() == 0
   split_documents(dcfg)  # a wrong data path fails here, before any work
   os.makedirs(workdir, exist_ok=True)
-  tokenizer = make_tokenizer(dcfg, os.path.join(workdir, "tokenizer"))
+  # Process 0 builds and saves it, the others then load it.
+  tokenizer = sharding.primary_first(
+      lambda: make_tokenizer(dcfg, os.path.join(workdir, "tokenizer")))
   if tokenizer.vocab_size > mcfg.vocab_size:
     raise ConfigError(
         f"ModelConfig.vocab_size: {mcfg.vocab_size} is smaller than the "
@@ -194,7 +208,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
 
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
-  train_it = _stage_iterator(stages, stage, tokenizer, data_state)
+  train_it = _stage_iterator(stages, stage, tokenizer, data_state, mesh)
   train_fn, eval_fn = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   # A resume that found no checkpoint starts over: its metrics too (the
   # step-0 eval line would otherwise be written twice).
@@ -225,12 +239,13 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
       train_it.close()
       stage = _stage_at(stages, step)
       sdcfg = stages[stage][1]
-      train_it = _stage_iterator(stages, stage, tokenizer, ended)
+      train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
       flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
       bar.write(f"step {step}: context stage {stage}, seq_len "
                 f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
     batch = next(train_it)
-    state, metrics = train_fn(state, _device_batch(batch, mesh))
+    state, metrics = train_fn(state, _device_batch(batch, mesh,
+                                                   sdcfg.batch_size))
     tick_tokens += sdcfg.batch_size * sdcfg.seq_len
     done = step + 1
     if done % tcfg.log_every == 0 or done == end:
