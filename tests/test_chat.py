@@ -73,8 +73,9 @@ def test_generation_prompt_is_unmasked_and_ends_in_the_header():
 
 
 def test_mask_is_exact_with_bpe():
-  # Merges learnt on the template itself: a whole-text encoding would merge
-  # across marker boundaries; the piecewise one never does.
+  # Merges learnt on the template itself, so markers are few ids: the mask
+  # still covers exactly the assistant text, and each masked run decodes to
+  # one whole assistant turn.
   tok = bpe.train_bpe([EXPECTED * 20], 320, 1 << 20)
   ids, mask = chat.render(CONVERSATION, tok)
   assert tok.decode(ids) == EXPECTED

@@ -227,6 +227,21 @@ def test_the_embedded_set_is_deterministic_and_split_by_module():
   assert 0 < len(held) < len(pairs) // 4
 
 
+def test_a_hub_checkpoint_starts_with_the_mtp_modules_it_has(tmp_path):
+  path = os.path.join(ROOT, "tests", "fixtures", "hf_tiny_fp8")
+  init = sft.load_hub(path)
+  # The fixture declares 3 MTP modules and holds none (as the released M2).
+  assert init.model_config.num_mtp_modules == 0
+  assert init.model_config.param_dtype == "float32"
+  shapes = jax.eval_shape(lambda: model.init(init.model_config,
+                                             jax.random.key(0)))
+  assert jax.tree.structure(shapes) == jax.tree.structure(init.variables)
+  assert isinstance(init.tokenizer, ByteTokenizer)
+  TOK.save(str(tmp_path / "tok"))
+  assert sft.load_hub(path, str(tmp_path / "tok")).origin["tokenizer"] == str(
+      tmp_path / "tok")
+
+
 def _pretraining_run(workdir: str) -> None:
   """A run directory as experiments.pretrain leaves it (config.json,
   tokenizer/, a checkpoint at step 4) of a freshly initialised model."""

@@ -33,8 +33,8 @@ import numpy as np
 
 from m2jax import hf
 from m2jax import model
-from m2jax.config import ModelConfig, config_from_dict
-from m2jax.data import DataConfig, ByteTokenizer, Tokenizer, load_tokenizer
+from m2jax.config import ConfigError, ModelConfig, config_from_dict
+from m2jax.data import ByteTokenizer, DataConfig, Tokenizer, load_tokenizer
 from m2jax.data import chat
 from m2jax.data.chat_data import ChatData
 from m2jax.data.tokenizer_files import CONFIG_FILE as TOKENIZER_FILE
@@ -127,7 +127,7 @@ def chat_sample(model_config: ModelConfig, variables, data: ChatData,
     messages = conv["messages"]
     first = next((i for i, m in enumerate(messages)
                   if m.get("role") == "assistant"), None)
-    if first:
+    if first:  # an assistant turn with a prompt before it
       break
   else:
     return None
@@ -160,18 +160,24 @@ def finetune(model_config: ModelConfig, train_config: TrainConfig,
   """Fine-tune on `data`; returns pretrain's summary (val_loss: held-out
   assistant-token loss) plus "sample" (`chat_sample`) if `sample_tokens`.
 
-  `init` gives the starting variables (none on a resume that continues a
-  checkpoint; a resume with no checkpoint yet starts from `init`).
+  `init` gives the starting variables: needed unless the run resumes a
+  checkpoint, which then replaces them.
   """
   if init is not None and init.tokenizer != data.tokenizer:
     raise ValueError("the chat data's tokenizer is not the init's")
-  if init is None and not _has_checkpoints(workdir):
+  # A wrong data path or an empty split fails here, before any work.
+  for split, conversations in data.conversations.items():
+    if not len(conversations):  # pylint: disable=g-explicit-length-test
+      raise ConfigError(f"the {split} split of {data.config.source!r} has "
+                        "no conversations (see --validation_fraction)")
+  fresh = not _has_checkpoints(workdir)
+  if fresh and init is None:
     raise MissingPathError(
-        f"{workdir} holds no checkpoint to continue: give a starting point "
-        "(--init=PRETRAIN_RUN or --hf_path=DIR)")
+        f"{workdir} holds no checkpoint to continue: start it from "
+        "--init=PRETRAIN_RUN or --hf_path=DIR, without --resume")
   primary = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
-  if init is not None and primary and not resume:
+  if fresh and primary:  # (a run refused for existing checkpoints keeps it)
     ckpt_lib.write_json(os.path.join(workdir, INIT_FILE), init.origin)
   summary = pretrain(
       model_config, train_config, data, workdir, resume=resume,
