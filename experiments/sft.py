@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on chat data, from a pretraining run or a hub checkpoint.
+"""Supervised fine-tuning on chat data, from a pretraining run or hub weights.
 
   python -m experiments.sft --workdir=runs/sft --init=runs/demo
   python -m experiments.sft --workdir=runs/sft --resume        # continue

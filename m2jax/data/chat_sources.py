@@ -1,4 +1,4 @@
-"""Conversations for supervised fine-tuning: chat JSONL, the embedded set, the split.
+"""Conversations for fine-tuning: chat JSONL, the embedded set, the split.
 
 A conversation is a dict {"messages": [...], "tools": [...] (optional)}
 (m2jax/data/chat.py for the messages; other keys are ignored, so records

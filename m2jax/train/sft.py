@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: pretraining's loop on chat data, loss on the assistant.
+"""Supervised fine-tuning: the pretraining loop on chat data, assistant loss.
 
 Between pretraining and RL, the model learns the chat template
 (m2jax/data/chat.py) from conversations: m2jax/data/chat_data.py renders
