@@ -10,8 +10,14 @@
   packing.py    the batch format, next_token_targets, bytes per target
   pipeline.py   grain pipelines: make_tokenizer, make_dataset, make_iterator,
                 next_stage_start (context stages continue one stream)
+  source.py     DataSource: data that brings its own batches to the loop
+  chat.py       the chat template: render (ids + assistant mask), parse
+  chat_sources.py
+                SFT conversations: chat JSONL, the embedded stdlib set, split
+  chat_data.py  ChatData: conversations packed whole, with loss_mask
 """
 
+from m2jax.data.chat_data import ChatData
 from m2jax.data.config import DataConfig
 from m2jax.data.corpus import (Documents, Packages, hash_fraction,
                                package_key, split_documents)
@@ -24,6 +30,7 @@ from m2jax.data.pipeline import (
     make_tokenizer,
     next_stage_start,
 )
+from m2jax.data.source import DataSource
 from m2jax.data.tokenizer import (
     ByteTokenizer,
     Tokenizer,
@@ -33,7 +40,9 @@ from m2jax.data.tokenizer import (
 
 __all__ = [
     "ByteTokenizer",
+    "ChatData",
     "DataConfig",
+    "DataSource",
     "Documents",
     "Packages",
     "Tokenizer",

@@ -11,6 +11,11 @@ lives in WORKDIR:
 Resuming restores the newest complete checkpoint (state and data position)
 and continues exactly: losses and parameters equal an uninterrupted run.
 
+The data is a DataConfig (pretraining's grain pipelines, context stages
+included) or a DataSource (m2jax/data/source.py) that brings its own
+batches, e.g. supervised fine-tuning's chat data (m2jax.train.sft): one
+stage, its batches' `loss_mask` choosing the targets that count.
+
 With `mesh` (m2jax.sharding) the state lives sharded, batches are split over
 data x fsdp x expert and the MoE runs expert-parallel; checkpoints are saved
 and restored sharded (onto whatever mesh the resuming run uses). In a
@@ -35,6 +40,7 @@ from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import (DataConfig, make_dataset, make_iterator, make_tokenizer,
                         next_stage_start, split_documents)
+from m2jax.data.source import DataSource
 from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
@@ -44,12 +50,18 @@ from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import MetricsWriter, peak_flops
 
 
-def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
+def _validation_batches(data: DataConfig | DataSource, tokenizer, rows):
+  if isinstance(data, DataConfig):
+    return make_dataset(data, tokenizer, "validation", rows=rows)
+  return data.validation_batches(rows=rows)
+
+
+def evaluate(eval_fn, state, data_config: DataConfig | DataSource, tokenizer,
              max_batches: int, mesh=None) -> dict:
   """Validation loss in nats per token and bits per byte."""
   nats = tokens = nbytes = 0.0
-  for i, batch in enumerate(make_dataset(data_config, tokenizer, "validation",
-                                        rows=_rows(mesh, data_config))):
+  for i, batch in enumerate(_validation_batches(data_config, tokenizer,
+                                                _rows(mesh, data_config))):
     if i >= max_batches:
       break
     out = eval_fn(state, _device_batch(batch, mesh, data_config.batch_size))
@@ -60,9 +72,17 @@ def evaluate(eval_fn, state, data_config: DataConfig, tokenizer,
           "val_bpb": nats / math.log(2) / max(nbytes, 1.0)}
 
 
-def _stages(mcfg: ModelConfig, tcfg: TrainConfig, dcfg: DataConfig):
-  """[(first step, DataConfig)] per context stage, tokens per batch fixed."""
-  if not tcfg.context_schedule:
+def _stages(mcfg: ModelConfig, tcfg: TrainConfig,
+            dcfg: DataConfig | DataSource):
+  """[(first step, DataConfig)] per context stage, tokens per batch fixed
+  (a DataSource: [(0, the source)])."""
+  if isinstance(dcfg, DataSource):
+    if tcfg.context_schedule:
+      raise ConfigError(
+          "TrainConfig.context_schedule: context stages re-pack pretraining's"
+          f" document stream; a {type(dcfg).__name__} has one stage")
+    stages = [(0, dcfg)]
+  elif not tcfg.context_schedule:
     if dcfg.context_documents is not None:
       raise ConfigError(
           f"DataConfig.context_documents: {dcfg.context_documents!r} is for "
@@ -92,6 +112,9 @@ def _stage_iterator(stages, stage: int, tokenizer, data_state, mesh=None):
   """
   config = stages[stage][1]
   rows = _rows(mesh, config)
+  if isinstance(config, DataSource):
+    return config.train_iterator(
+        None if data_state is None else data_state["iterator"], rows=rows)
   if data_state is None:
     return make_iterator(config, tokenizer, "train", rows=rows)
   if data_state["stage"] == stage:
@@ -103,7 +126,7 @@ def _stage_iterator(stages, stage: int, tokenizer, data_state, mesh=None):
                        rows=rows)
 
 
-def _rows(mesh, config: DataConfig):
+def _rows(mesh, config: DataConfig | DataSource):
   """The rows of each global batch this process reads (None: all)."""
   return None if mesh is None else sharding.process_rows(mesh,
                                                           config.batch_size)
@@ -142,7 +165,8 @@ class _NoWriter:
 
 
 def pretrain(model_config: ModelConfig, train_config: TrainConfig,
-             data_config: DataConfig, workdir: str, *, resume: bool = False,
+             data_config: DataConfig | DataSource, workdir: str, *,
+             resume: bool = False,
              sample_prompt: str = "def ", sample_tokens: int = 64,
              stop_after: int | None = None, progress: bool = True,
              init_variables=None, init_state=None, should_stop=None,
@@ -159,14 +183,22 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   checkpoint and ends the run there (e.g. once a loss has settled).
   `mesh` shards the run (m2jax.sharding.make_mesh); how its steps run
   (kernels, the expert exchange) is `model_config.settings`.
+  `data_config` may be a DataSource: its batches, tokenizer (saved with the
+  run) and config (saved and checked as the run's data config) are used.
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
-  split_documents(dcfg)  # a wrong data path fails here, before any work
+  if isinstance(dcfg, DataSource):
+    tokenizer, saved_data = dcfg.tokenizer, dcfg.config
+  else:
+    split_documents(dcfg)  # a wrong data path fails here, before any work
+    tokenizer, saved_data = None, dcfg
   os.makedirs(workdir, exist_ok=True)
-  # Process 0 builds and saves it, the others then load it.
-  tokenizer = sharding.primary_first(
-      lambda: make_tokenizer(dcfg, os.path.join(workdir, "tokenizer")))
+  if tokenizer is None:  # process 0 builds and saves it, the others load it
+    tokenizer = sharding.primary_first(
+        lambda: make_tokenizer(dcfg, os.path.join(workdir, "tokenizer")))
+  elif primary:
+    tokenizer.save(os.path.join(workdir, "tokenizer"))
   if tokenizer.vocab_size > mcfg.vocab_size:
     raise ConfigError(
         f"ModelConfig.vocab_size: {mcfg.vocab_size} is smaller than the "
@@ -179,7 +211,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
         f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "
         "--resume to continue it or choose another --workdir")
   # Before any work: a checkpoint of another config is the user's mistake.
-  configs = {"model": mcfg, "data": dcfg}
+  configs = {"model": mcfg, "data": saved_data}
   if resume:
     checkpointer.check_resume(configs)
 
@@ -202,7 +234,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
       start, state, data_state, _ = restored
       print(f"resumed from step {start} in {checkpointer.directory}")
   meta = {"model": config_to_dict(mcfg), "train": config_to_dict(tcfg),
-          "data": config_to_dict(dcfg)}
+          "data": config_to_dict(saved_data)}
   if primary:
     ckpt_lib.write_json(os.path.join(workdir, "config.json"), meta)
 

@@ -14,7 +14,9 @@ harder than their own objective is weighted.
 
 Every term averages over valid targets only: a pair (t, t+s) counts when
 both tokens sit in the same non-padding segment, so documents packed in one
-row never predict each other.
+row never predict each other, and, when the batch has a `loss_mask`
+(m2jax/data/source.py; fine-tuning's assistant mask), when token t+s is
+marked in it (`target_mask`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ import jax.numpy as jnp
 
 from m2jax.data.packing import next_token_targets
 from m2jax.model import ModelOutput, shift_left
+
+
+def target_mask(batch, shift: int = 1):
+  """(targets_BxT, mask_BxT) of the batch's tokens `shift` ahead: the
+  same-segment pairs of next_token_targets, and of those only the targets
+  marked in the batch's `loss_mask` when it has one."""
+  targets_BxT, mask_BxT = next_token_targets(batch["tokens"],
+                                             batch["segment_ids"], shift)
+  if "loss_mask" in batch:
+    mask_BxT = mask_BxT & shift_left(jnp.asarray(batch["loss_mask"]) != 0,
+                                     shift)
+  return targets_BxT, mask_BxT
 
 
 def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT):
@@ -59,8 +73,7 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
   is still reported. `aux_coef` scales the routers' balance loss (module
   docstring for how the main and MTP routers are weighted).
   """
-  tokens, seg = batch["tokens"], batch["segment_ids"]
-  targets, mask = next_token_targets(tokens, seg, 1)
+  targets, mask = target_mask(batch, 1)
   ce, lse = cross_entropy(out.logits, targets, mask)
   main_ce = _mean(ce, mask)
   loss = main_weight * main_ce
@@ -73,7 +86,7 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
   main_pred = jnp.argmax(out.logits, -1)
   mtp_ces = []
   for k, logits_k in enumerate(out.mtp_logits, start=1):
-    tgt_k, mask_k = next_token_targets(tokens, seg, k + 1)
+    tgt_k, mask_k = target_mask(batch, k + 1)
     ce_k = _mean(cross_entropy(logits_k, tgt_k, mask_k)[0], mask_k)
     mtp_ces.append(ce_k)
     metrics[f"mtp/ce_{k}"] = ce_k

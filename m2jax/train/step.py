@@ -20,7 +20,6 @@ import optax
 from m2jax import model
 from m2jax import sharding
 from m2jax.config import ModelConfig
-from m2jax.data.packing import next_token_targets
 from m2jax.train import losses, schedules
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
@@ -85,11 +84,12 @@ def train_step(state: TrainState, batch, *, model_config: ModelConfig,
 
 def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
               train_config: TrainConfig):
-  """Summed CE (nats), target count and target bytes of one batch."""
+  """Summed CE (nats), target count and target bytes of one batch (the
+  targets `losses.target_mask` counts)."""
   out = model.forward(model_config, variables_of(state), batch["tokens"],
                       segment_ids=batch["segment_ids"],
                       positions=batch["positions"])
-  targets, mask = next_token_targets(batch["tokens"], batch["segment_ids"], 1)
+  targets, mask = losses.target_mask(batch, 1)
   ce, _ = losses.cross_entropy(out.logits, targets, mask)
   del train_config
   return {"nats": jnp.sum(ce), "tokens": jnp.sum(mask),
