@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from m2jax.config import ConfigError, config_to_dict
-from m2jax.errors import UserError
+from m2jax.errors import MissingPathError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,28 @@ class Checkpointer:
         f"load and were moved to {self.corrupt_directory}; refusing to start "
         "again from step 0. Inspect or repair them, or start over in a fresh "
         "--workdir (or remove that directory)")
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, dict, dict]:
+    """(state, data_state, meta) of exactly `step`: no fallback to another
+    step, nothing moved (for reading a run, e.g. evaluating one step).
+
+    MissingPathError lists the steps there are when `step` is not one;
+    ConfigError names where the saved state's tree differs from
+    `abstract_state`'s.
+    """
+    steps = self.steps()
+    if step not in steps:
+      raise MissingPathError(
+          f"{self.directory} has no checkpoint of step {step}; its steps: "
+          f"{', '.join(map(str, steps)) or 'none'}")
+    where = self._state_difference(step, abstract_state)
+    if where is not None:
+      raise ConfigError(f"checkpoint step {step} in {self.directory} holds "
+                        f"another train state than its run's config: {where}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"], restored["meta"]
 
   def _read_meta(self, step: int) -> dict | None:
     """The step's meta (configs), or None when it does not read."""
