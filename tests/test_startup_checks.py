@@ -13,7 +13,9 @@ from experiments import run_flags
 from m2jax import config as config_lib
 from m2jax.config import ConfigError
 from m2jax.data import DataConfig, hash_fraction
+from m2jax.errors import ExistingPathError
 from m2jax.settings import Settings, SettingsError
+from m2jax.train import mtp_growth
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
 
@@ -133,3 +135,16 @@ def test_metric_writers_close_on_an_error_inside_the_loop(tmp_path):
                    "--batch_size=2", code=code)
   assert _one_line_error(proc) == "error: the first eval failed"
   assert os.listdir(tmp_path / "run" / "tensorboard")  # the writer was open
+
+
+def test_mtp_growth_refuses_a_used_workdir_before_any_work(tmp_path):
+  # The phases of an earlier experiment: only base/ is reused.
+  (tmp_path / "copy" / "joint" / "checkpoints" / "5").mkdir(parents=True)
+  with pytest.raises(ExistingPathError, match=r"copy/joint\); only its base/ "
+                     r"is reused: start a fresh --workdir"):
+    mtp_growth.run_experiment(
+        config_lib.TINY, DataConfig(), str(tmp_path), base_steps=2,
+        growth_steps=3, depth=3, inits=("copy",), mtp_only_max_steps=1,
+        learning_rate=1e-3, decay_fraction=0.75,
+        settle=mtp_growth.Plateau(), progress=False)
+  assert not (tmp_path / "base").exists()
