@@ -133,6 +133,10 @@ def _assert_same_tree(a, b):
 
 def test_load_run_picks_the_step(tmp_path):
   saved = run_dirs.write_run(str(tmp_path / "run"), steps=(1, 2))
+  # A step the run is saving right now (orbax's temporary name): reading
+  # the run (evaluate, export) must leave it alone.
+  saving = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-17000"
+  saving.mkdir()
   *_, variables, step = runs.load_run(str(tmp_path / "run"))
   assert step == 2
   _assert_same_tree(variables, saved[2])
@@ -144,6 +148,7 @@ def test_load_run_picks_the_step(tmp_path):
     runs.load_run(str(tmp_path / "run"), step=3)
   with pytest.raises(MissingPathError, match="holds no config.json"):
     runs.load_run(str(tmp_path))  # the directory above a run
+  assert saving.is_dir()
 
 
 @pytest.mark.parametrize("flag, needle", [

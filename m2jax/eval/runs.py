@@ -48,10 +48,15 @@ def load_configs(workdir: str) -> tuple[ModelConfig, TrainConfig, DataConfig]:
           config_from_dict(DataConfig, raw["data"]))
 
 
+def _checkpointer(workdir: str) -> ckpt_lib.Checkpointer:
+  # Read-only: the run may still be training and saving a step.
+  return ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1,
+                               read_only=True)
+
+
 def checkpoint_steps(workdir: str) -> list[int]:
   """The steps of the run's complete checkpoints, oldest first."""
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       keep=1)
+  checkpointer = _checkpointer(workdir)
   steps = checkpointer.steps()
   checkpointer.close()
   return steps
@@ -62,9 +67,11 @@ def load_run(workdir: str, step: int | None = None):
   `step` of the run in `workdir` (None: its newest complete one), on this
   process's first device whatever mesh the run was trained on.
 
-  Reading moves nothing: a step that fails to load raises (a resuming run
-  would quarantine it, m2jax.train.checkpoint). MissingPathError, one line,
-  when the run has no checkpoint or none of `step` (listing its steps).
+  Reading changes nothing in `workdir` (the run may still be training): a
+  step that fails to load raises (a resuming run would quarantine it,
+  m2jax.train.checkpoint), a step being saved is left alone.
+  MissingPathError, one line, when the run has no checkpoint or none of
+  `step` (listing its steps).
   """
   mcfg, tcfg, dcfg = load_configs(workdir)
   # Shapes only, no memory; placed explicitly, or orbax would look for the
@@ -74,8 +81,7 @@ def load_run(workdir: str, step: int | None = None):
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
       jax.eval_shape(lambda: state_lib.init_state(
           mcfg, tcfg, model.init(mcfg, jax.random.key(0)))))
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       keep=tcfg.keep_checkpoints)
+  checkpointer = _checkpointer(workdir)
   try:
     steps = checkpointer.steps()
     if not steps:

@@ -81,7 +81,9 @@ def _out_of_memory(e: Exception) -> bool:
 class Checkpointer:
   """Save / restore {state, data-iterator state, meta} every N steps."""
 
-  def __init__(self, directory: str, *, keep: int):
+  def __init__(self, directory: str, *, keep: int, read_only: bool = False):
+    """`read_only`: for reading a run that may still be training (e.g.
+    evaluating it): its unfinished steps are left alone."""
     self.directory = os.path.abspath(directory)
     self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
                                           CORRUPT_DIR)
@@ -91,7 +93,7 @@ class Checkpointer:
     # runs in a background thread that no public call waits for, and a run
     # refused right after this (e.g. a resume with another config) would
     # exit under it, the thread printing a traceback.
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not read_only:
       for tmp in ocp.path.step.all_temporary_paths(self.directory):
         tmp.get().rmtree()
     # Handlers named up front so that meta and the state's tree metadata can
