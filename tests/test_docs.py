@@ -29,9 +29,7 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
-import pytest
 
 from m2jax import hf, model
 from m2jax.eval import runs
