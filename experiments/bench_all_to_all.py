@@ -1,4 +1,4 @@
-"""The expert-parallel exchange alone: ragged all-to-all per XLA mode.
+r"""The expert-parallel exchange alone: ragged all-to-all per XLA mode.
 
   NCCL_NVLS_ENABLE=0 python -m experiments.bench_all_to_all --gpus=4 \
       --out=benchmarks/results/all_to_all.json

@@ -1,4 +1,4 @@
-"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
+r"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
 
   NCCL_NVLS_ENABLE=0 \
   XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true \

@@ -1,4 +1,4 @@
-"""Training throughput of a preset: tokens/s and MFU per grouped-matmul backend.
+r"""Training throughput of a preset: tokens/s and MFU per grouped-matmul backend.
 
   python -m experiments.bench_train --preset=m2_small --batch_size=8 \
       --seq_len=2048 --backends=mosaic,xla --output=benchmarks/results/x.json

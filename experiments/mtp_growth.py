@@ -1,11 +1,12 @@
-"""MTP growth K=1 -> K=3: copy-from-main-model init vs random init.
+r"""MTP growth K=1 -> K=3: copy-from-main-model init vs random init.
 
   python -m experiments.mtp_growth --preset=tiny --workdir=runs/mtp_growth
   python -m experiments.mtp_growth --preset=m2_small --mesh=data=2,expert=2
 
 One warmup-stable-decay schedule of --base_steps + --growth_steps steps,
 the growth inside its decay phase (m2jax.train.mtp_growth):
-1. pretrain with one MTP module for --base_steps (or reuse WORKDIR/base);
+1. pretrain with one MTP module for --base_steps (or reuse WORKDIR/base: a
+   WORKDIR whose other phases exist is refused; use a fresh one);
 2. for each init in --inits: grow to --depth modules, train MTP only (main
    model frozen) until the MTP loss settles (or --mtp_only_max_steps), then
    to the end of the schedule two arms: joint training, and MTP-only
@@ -31,6 +32,11 @@ flags.DEFINE_string("preset", "tiny", f"One of {sorted(config_lib.PRESETS)}.")
 flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
 flags.DEFINE_string("workdir", "runs/mtp_growth", "Experiment directory.")
 flags.DEFINE_string("data", "stdlib", "Corpus (see experiments.pretrain).")
+flags.DEFINE_float("validation_fraction", DataConfig.validation_fraction,
+                   "Share of --data held out for validation (at most 0.5).")
+flags.DEFINE_string("validation_data", None,
+                    "Validation documents of their own (then --data is used "
+                    "whole for training).")
 flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
 flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
@@ -62,7 +68,9 @@ def main(argv):
       config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
           settings=settings)
   data_config = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
-                           batch_size=FLAGS.batch_size, seed=FLAGS.seed)
+                           batch_size=FLAGS.batch_size, seed=FLAGS.seed,
+                           validation_fraction=FLAGS.validation_fraction,
+                           validation_source=FLAGS.validation_data)
   results = mtp_growth.run_experiment(
       model_config, data_config, FLAGS.workdir, base_steps=FLAGS.base_steps,
       growth_steps=FLAGS.growth_steps, depth=FLAGS.depth,

@@ -1,4 +1,4 @@
-"""Pretrain a MiniMax-M2-style model (the main job; `make demo` runs it).
+r"""Pretrain a MiniMax-M2-style model (the main job; `make demo` runs it).
 
   python -m experiments.pretrain --preset=tiny --steps=300 --workdir=runs/tiny
   python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
@@ -40,8 +40,15 @@ flags.DEFINE_enum("documents", "files", ["files", "packages"],
 flags.DEFINE_enum("context_documents", None, ["files", "packages"],
                   "Documents of the context stages after the first "
                   "(default: --documents).")
+flags.DEFINE_float("validation_fraction", DataConfig.validation_fraction,
+                   "Share of --data's documents held out for validation "
+                   "(hash split, at most 0.5).")
+flags.DEFINE_string("validation_data", None,
+                    "Validation documents of their own (same forms as "
+                    "--data); then --data is used whole for training.")
 flags.DEFINE_enum("tokenizer", "byte", ["byte", "bpe"], "Tokenizer.")
-flags.DEFINE_integer("bpe_vocab_size", 4096, "BPE vocabulary size.")
+flags.DEFINE_integer("bpe_vocab_size", 4096, "BPE vocabulary size (the "
+                     "model's vocab_size too, unless overridden).")
 flags.DEFINE_integer("seq_len", 256, "Tokens per packed row.")
 flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
 # Optimisation.
@@ -60,7 +67,9 @@ flags.DEFINE_float("mtp_weight_final", 0.1, "MTP weight at the end of decay.")
 flags.DEFINE_float("z_loss", 0.0, "z-loss coefficient.")
 flags.DEFINE_string("context_schedule", "",
                     "Context extension: 'cpu' (256 -> 1024), 'm2' (8K -> 32K "
-                    "-> 192K) or FRACTION:SEQ_LEN,... (tokens per batch kept).")
+                    "-> 192K) or START:SEQ_LEN,..., START the fraction of "
+                    "--steps where that stage starts (the first 0), e.g. "
+                    "0:256,0.75:1024; tokens per batch are kept.")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
 flags.DEFINE_integer("seed", 0, "Init and data seed.")
 # Cadence.
@@ -74,16 +83,39 @@ flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
 
+def _vocab_for_tokenizer(model_config):
+  """The model config with the BPE tokenizer's vocabulary size, unless the
+  user chose vocab_size with --override (then it must hold the tokenizer)."""
+  if FLAGS.tokenizer != "bpe":
+    return model_config
+  overridden = {o.split("=", 1)[0].strip() for o in FLAGS.override}
+  wanted = FLAGS.bpe_vocab_size
+  if "vocab_size" not in overridden:
+    if model_config.vocab_size != wanted:
+      print(f"note: ModelConfig.vocab_size {model_config.vocab_size} -> "
+            f"{wanted}, the BPE tokenizer's (--bpe_vocab_size; "
+            "--override=vocab_size=N sets it yourself)")
+    return model_config.replace(vocab_size=wanted)
+  if model_config.vocab_size < wanted:
+    raise config_lib.ConfigError(
+        f"ModelConfig.vocab_size: --override=vocab_size="
+        f"{model_config.vocab_size} is below --bpe_vocab_size={wanted}; "
+        "raise it or leave it out (pretrain then uses the tokenizer's)")
+  return model_config
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
   mesh, settings = run_flags.from_flags()
-  model_config = config_lib.apply_overrides(
+  model_config = _vocab_for_tokenizer(config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
-          settings=settings)
+          settings=settings))
   data_config = DataConfig(
       source=FLAGS.data, documents=FLAGS.documents,
-      context_documents=FLAGS.context_documents, tokenizer=FLAGS.tokenizer,
+      context_documents=FLAGS.context_documents,
+      validation_source=FLAGS.validation_data,
+      validation_fraction=FLAGS.validation_fraction, tokenizer=FLAGS.tokenizer,
       bpe_vocab_size=FLAGS.bpe_vocab_size, seq_len=FLAGS.seq_len,
       batch_size=FLAGS.batch_size, seed=FLAGS.seed)
   train_config = TrainConfig(

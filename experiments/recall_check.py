@@ -1,4 +1,4 @@
-"""Can a model config learn content-based retrieval? Associative recall.
+r"""Can a model config learn content-based retrieval? Associative recall.
 
   python -m experiments.recall_check --pairs=4 --steps=1500 \
       --override=hidden_size=128 --override=num_layers=2

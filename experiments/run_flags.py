@@ -20,6 +20,7 @@ touches a device. Only `main` functions call it; nothing here writes flags.
 
 import os
 
+import jax
 from absl import flags, logging
 
 from kernels import gmm_mosaic
@@ -149,11 +150,24 @@ def from_flags():
                       old)
   if new != old:
     os.environ["XLA_FLAGS"] = new
-    logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
-                    RAGGED_DECOMPOSER_FLAG)
   if FLAGS.distributed or FLAGS.coordinator_address is not None:
     sharding.initialize_distributed(
         FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
         heartbeat_timeout_s=FLAGS.heartbeat_timeout)
   mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
+  check_exchange(settings, mesh)
+  if new != old:  # said once the run is known to go ahead
+    logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
+                    RAGGED_DECOMPOSER_FLAG)
   return mesh, settings
+
+
+def check_exchange(settings: settings_lib.Settings, mesh) -> None:
+  """Refuse the ragged exchange where XLA cannot run it: on CPU it fails
+  only at the first step, with XLA's raw UNIMPLEMENTED error."""
+  if (settings.all_to_all == "ragged" and mesh is not None
+      and mesh.shape["expert"] > 1 and jax.default_backend() == "cpu"):
+    raise settings_lib.SettingsError(
+        "--all_to_all=ragged needs a GPU (XLA's CPU backend has no "
+        "ragged_all_to_all); on CPU use --all_to_all=dense (what auto picks "
+        "there) or --all_to_all=slabs")

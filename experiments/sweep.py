@@ -1,4 +1,4 @@
-"""Run an ablation sweep (resumable) and write its report.
+r"""Run an ablation sweep (resumable) and write its report.
 
   python -m experiments.sweep --grid=attention --preset=tiny --steps=300 \
       --seeds=0,1 --sweep_dir=runs/sweep_attention

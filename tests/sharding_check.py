@@ -2,7 +2,9 @@
 tests/test_sharding.py in its own process, so the rest of the suite keeps one
 device). Prints one JSON object of measured differences and counts.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py [DIR]
+
+With DIR, MTP growth's MTP-only phase runs on a mesh too, its run kept in DIR.
 """
 
 import functools
@@ -26,6 +28,7 @@ from m2jax.model import expert_parallel  # pylint: disable=wrong-import-position
 from m2jax.model import expert_parallel_ref  # pylint: disable=wrong-import-position
 from m2jax.settings import Settings  # pylint: disable=wrong-import-position
 from m2jax.train import checkpoint as ckpt_lib  # pylint: disable=wrong-import-position
+from m2jax.train import mtp_growth  # pylint: disable=wrong-import-position
 from m2jax.train import state as state_lib  # pylint: disable=wrong-import-position
 from m2jax.train import step as step_lib  # pylint: disable=wrong-import-position
 from m2jax.data import DataConfig  # pylint: disable=wrong-import-position
@@ -159,6 +162,44 @@ def check_pretrain(tmp, result):
                           "w1_mesh": sharding.format_mesh(w1.sharding.mesh)}
 
 
+def check_mtp_growth(variables, tmp, workdir, result):
+  """MTP growth's MTP-only phase on a mesh: K=1 -> 2 by copying, then one
+  step with the main model frozen (m2jax.train.mtp_growth). Its optimizer
+  state has masked leaves for the frozen parameters; placing it on a mesh
+  once failed (MaskedNode against NamedSharding). The run stays in
+  `workdir` for the test to read on one device."""
+  base_tc = TCFG.replace(steps=3, mtp_depth=1, log_every=1,
+                         eval_every=10**9, checkpoint_every=10**9)
+  mtp_only_tc = base_tc.replace(mtp_depth=2, mtp_only=True)
+  # Host copies: the phase donates the buffers it is given, and `variables`
+  # serve the checks after this one.
+  host = jax.tree.map(np.array, variables)
+  base = state_lib.init_state(MCFG, base_tc, host)._replace(
+      step=jnp.asarray(1, jnp.int32))
+  cfg, grown = mtp_growth.grow_mtp(MCFG, host, 2)
+  grown = jax.tree.map(np.array, grown)
+  dcfg = DataConfig(source=os.path.join(tmp, "corpus"), seq_len=16,
+                    batch_size=8, validation_fraction=0.2)
+  out = pretrain(cfg, mtp_only_tc, dcfg, workdir,
+                 init_state=mtp_growth.carry_state(cfg, mtp_only_tc, grown,
+                                                   (base_tc, base)),
+                 stop_after=2, progress=False, sample_tokens=0,
+                 mesh=sharding.make_mesh("data=2,expert=4"))
+  params = out["state"].params
+  main = [k for k in params if not k.startswith("mtp_")]
+  result["mtp_growth"] = {
+      "step": int(out["state"].step), "loss": out["loss"],
+      "main_change": _max_diff([grown["params"][k] for k in main],
+                               [params[k] for k in main]),
+      "mtp_change": _max_diff(grown["params"]["mtp_1"], params["mtp_1"]),
+      "mtp_1_sum": _sum(params["mtp_1"])}
+
+
+def _sum(tree) -> float:
+  return float(sum(np.sum(np.asarray(x, np.float64))
+                   for x in jax.tree.leaves(tree)))
+
+
 def check_capacity(variables, batch, result):
   """A tiny capacity buffer drops rows and the counter sees them."""
   mesh = sharding.make_mesh("fsdp=2,expert=4")
@@ -255,7 +296,10 @@ def main():
   result["t_meshes"] = round(time.time() - t, 1)
   with tempfile.TemporaryDirectory() as tmp:
     check_pretrain(tmp, result)
-  result["t_train"] = round(time.time() - t, 1)
+    result["t_train"] = round(time.time() - t, 1)
+    if len(sys.argv) > 1:  # where the MTP growth runs stay
+      check_mtp_growth(variables, tmp, sys.argv[1], result)
+      result["t_mtp_growth"] = round(time.time() - t, 1)
   check_capacity(variables, batch, result)
   result["t_cap"] = round(time.time() - t, 1)
   check_dense_all_to_all(result)

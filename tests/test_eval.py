@@ -1,13 +1,22 @@
-"""Synthetic long-context tasks and exact-match scoring."""
+"""Synthetic long-context tasks, exact-match scoring, and reading a run's
+checkpoints (experiments.evaluate)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+import run_dirs
 from m2jax import config as config_lib
 from m2jax import model
-from m2jax.eval import recall, scoring, tasks
+from m2jax.errors import MissingPathError
+from m2jax.eval import recall, runs, scoring, tasks
 from m2jax.infer import sample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CFG = config_lib.TINY.replace(num_mtp_modules=0)
 
@@ -110,3 +119,52 @@ def test_recall_batches_query_listed_values():
 def test_scoring_pads_to_powers_of_two():
   assert [scoring.padded_length(n) for n in (1, 128, 129, 300, 1024, 1025)] \
       == [128, 128, 256, 512, 1024, 2048]
+
+
+# ---------------------------------------------------------------------------
+# A run's checkpoints, and experiments.evaluate's flags
+
+
+def _assert_same_tree(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_load_run_picks_the_step(tmp_path):
+  saved = run_dirs.write_run(str(tmp_path / "run"), steps=(1, 2))
+  # A step the run is saving right now (orbax's temporary name): reading
+  # the run (evaluate, export) must leave it alone.
+  saving = tmp_path / "run" / "checkpoints" / "3.orbax-checkpoint-tmp-17000"
+  saving.mkdir()
+  *_, variables, step = runs.load_run(str(tmp_path / "run"))
+  assert step == 2
+  _assert_same_tree(variables, saved[2])
+  *_, variables, step = runs.load_run(str(tmp_path / "run"), step=1)
+  assert step == 1
+  _assert_same_tree(variables, saved[1])
+  with pytest.raises(MissingPathError, match="no checkpoint of step 3; its "
+                     "steps: 1, 2"):
+    runs.load_run(str(tmp_path / "run"), step=3)
+  with pytest.raises(MissingPathError, match="holds no config.json"):
+    runs.load_run(str(tmp_path))  # the directory above a run
+  assert saving.is_dir()
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--lengths=64,128,256", "flag --lengths="),         # parsed, then refused
+    ("--step=3", "--step=3: "),
+])
+def test_evaluate_refuses_bad_flags_before_any_work(tmp_path, flag, needle):
+  run_dirs.write_run(str(tmp_path / "run"), steps=(1, 2))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.evaluate",
+       f"--workdir={tmp_path / 'run'}", flag], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=120, check=False)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+  assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+  if flag == "--step=3":
+    assert lines[0].endswith("its steps: 1, 2"), lines[0]
+  assert not (tmp_path / "run" / "eval.json").exists()

@@ -205,13 +205,13 @@ def test_logits_match_hf_reference(path):
 
 def test_load_keeps_checkpoint_dtype():
   cfg, v = hf.load(FP32_SHARDED)
-  assert cfg.param_dtype == "float32"
+  assert cfg.param_dtype == cfg.compute_dtype == "float32"
   assert {x.dtype for x in _leaves(v).values()} == {np.dtype(np.float32)}
   assert cfg.num_mtp_modules == 3 and not any(
       k.startswith("mtp_") for k in v["params"])
   # The released format: bf16 weights, FP8 dequantised to bf16, fp32 router.
   cfg, v = hf.load(FP8)
-  assert cfg.param_dtype == "bfloat16"
+  assert cfg.param_dtype == cfg.compute_dtype == "bfloat16"
   for name, x in _leaves(v).items():
     want = np.float32 if name.endswith(("router", "bias")) else ml_dtypes.bfloat16
     assert x.dtype == want, name
@@ -237,6 +237,26 @@ def test_save_load_round_trip(tmp_path, param_dtype):
   _assert_same_variables(variables, back)      # MTP, expert bias, dtypes
 
 
+def test_save_load_is_faithful_without_overrides(tmp_path):
+  """A float32 model saved and loaded with no arguments computes in float32
+  and gives the saved model's logits exactly; bf16 weights compute in bf16,
+  and compute_dtype= still overrides."""
+  cfg = TINY.replace(compute_dtype="float32")
+  variables = _init(cfg)
+  hf.save(str(tmp_path / "f32"), cfg, variables)
+  back_cfg, back = hf.load(str(tmp_path / "f32"))
+  assert back_cfg == cfg
+  tokens = np.arange(24, dtype=np.int32).reshape(2, 12) % cfg.vocab_size
+  np.testing.assert_array_equal(
+      np.asarray(model.logits(back_cfg, back, tokens)),
+      np.asarray(model.logits(cfg, variables, tokens)))
+  assert hf.load(str(tmp_path / "f32"), compute_dtype="bfloat16")[
+      0].compute_dtype == "bfloat16"
+  bf16 = cfg.replace(param_dtype="bfloat16")
+  hf.save(str(tmp_path / "bf16"), bf16, _init(bf16))
+  assert hf.load(str(tmp_path / "bf16"))[0].compute_dtype == "bfloat16"
+
+
 def test_save_writes_the_hub_layout(tmp_path):
   """Loading a hub checkpoint and saving it gives back the same tensors."""
   cfg, variables = hf.load(FP32_SHARDED)
@@ -249,7 +269,9 @@ def test_save_writes_the_hub_layout(tmp_path):
   for name, x in saved.items():
     np.testing.assert_array_equal(x, original.read(name), name)
   with open(tmp_path / "single" / "config.json") as f:
-    assert hf.config_from_hf(json.load(f)) == cfg
+    # Dtypes are load's choice (the weights'), not config.json's.
+    assert hf.config_from_hf(json.load(f),
+                             compute_dtype=cfg.compute_dtype) == cfg
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):

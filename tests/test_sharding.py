@@ -4,7 +4,8 @@ The multi-device checks run tests/sharding_check.py once, in its own process
 with 8 fake CPU devices (the rest of the suite keeps one device), and assert
 on the differences it reports: sharded forward, loss and gradients against
 one device for four meshes; the training loop on a mesh; a checkpoint
-restored onto another mesh; the drop counter; the exchange against its numpy
+restored onto another mesh; MTP growth's MTP-only phase on a mesh, its run
+read back on one device; the drop counter; the exchange against its numpy
 reference (the plan alone, on one device: tests/test_expert_parallel.py).
 """
 
@@ -19,6 +20,7 @@ import pytest
 
 from m2jax import config as config_lib
 from m2jax import model, sharding
+from m2jax.eval import runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -73,7 +75,8 @@ def test_rules_cover_every_logical_name():
 
 
 @pytest.fixture(scope="module")
-def report():
+def report(tmp_path_factory):
+  mtp_growth_dir = str(tmp_path_factory.mktemp("sharded") / "mtp_only")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
       "--xla_force_host_platform_device_count=8 "
       # Compile time dominates on CPU; the arrays are tiny.
@@ -84,11 +87,12 @@ def report():
   env["PYTHONPATH"] = os.pathsep.join(
       [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p])
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "tests", "sharding_check.py")],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-      check=False)
+      [sys.executable, os.path.join(ROOT, "tests", "sharding_check.py"),
+       mtp_growth_dir], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return {**json.loads(proc.stdout.strip().splitlines()[-1]),
+          "mtp_growth_dir": mtp_growth_dir}
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "data=2,fsdp=2,expert=2",
@@ -115,6 +119,25 @@ def test_checkpoint_restores_onto_another_mesh(report):
   assert r["step"] == 2 and r["diff"] == 0
   assert r["w1_mesh"] == "data=1,fsdp=2,expert=4,tensor=1"
   assert r["w1_spec"] == "P('expert', 'fsdp', 'tensor')"
+
+
+def test_mtp_growth_phase_on_a_mesh_reads_on_one_device(report):
+  # MTP growth's MTP-only phase trains on a mesh (data=2,expert=4): the main
+  # model stays frozen, the new module moves.
+  r = report["mtp_growth"]
+  assert r["step"] == 2 and np.isfinite(r["loss"])
+  assert r["main_change"] == 0 and r["mtp_change"] > 1e-4, r
+  # Its checkpoint, saved from 8 devices, reads on this process's one
+  # device (evaluate, export) and nothing is moved aside as corrupt.
+  workdir = report["mtp_growth_dir"]
+  *_, variables, step = runs.load_run(workdir)
+  assert step == 2 and sorted(k for k in variables["params"]
+                              if k.startswith("mtp_")) == ["mtp_0", "mtp_1"]
+  assert sum(float(np.sum(np.asarray(x, np.float64))) for x in
+             jax.tree.leaves(variables["params"]["mtp_1"])) == pytest.approx(
+                 r["mtp_1_sum"], rel=1e-12)
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
+  assert not os.path.exists(os.path.join(workdir, "checkpoints_corrupt"))
 
 
 def test_drop_counter_counts_only_real_drops(report):

@@ -19,8 +19,8 @@
 
 from m2jax.data.chat_data import ChatData
 from m2jax.data.config import DataConfig
-from m2jax.data.corpus import (Documents, Packages, hash_fraction,
-                               package_key, split_documents)
+from m2jax.data.corpus import (Documents, Packages, check_splits,
+                               hash_fraction, package_key, split_documents)
 from m2jax.data.packing import (next_token_targets, single_document_batch,
                                  target_bytes)
 from m2jax.data.pipeline import (
@@ -47,6 +47,7 @@ __all__ = [
     "Packages",
     "Tokenizer",
     "bytes_per_token",
+    "check_splits",
     "encode_document",
     "hash_fraction",
     "load_tokenizer",

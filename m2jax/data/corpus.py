@@ -227,6 +227,28 @@ def split_documents(config: DataConfig) -> dict[str, Documents | Packages]:
           "validation": validation.take(config.max_documents)}
 
 
+def check_splits(config: DataConfig) -> None:
+  """Refuse a config whose train or validation split holds no document (a
+  small corpus, a small validation_fraction), naming what to change; a
+  training run calls it before any work."""
+  splits = split_documents(config)
+  if not len(splits["train"]):  # pylint: disable=g-explicit-length-test
+    raise ConfigError(
+        f"the train split of {config.source!r} has no documents: give more "
+        "documents or a smaller DataConfig.validation_fraction "
+        f"(--validation_fraction, now {config.validation_fraction})")
+  if not len(splits["validation"]):  # pylint: disable=g-explicit-length-test
+    if config.validation_source is not None:
+      raise ConfigError(f"DataConfig.validation_source "
+                        f"{config.validation_source!r} has no documents")
+    raise ConfigError(
+        f"the validation split of {config.source!r} has no documents: "
+        f"DataConfig.validation_fraction={config.validation_fraction} of "
+        f"its {len(splits['train'])} documents sends none there; raise it "
+        "(--validation_fraction, at most 0.5) or give validation documents "
+        "of their own (DataConfig.validation_source, --validation_data)")
+
+
 def _keep(config: DataConfig, validation: bool | None):
   """key -> whether the document of `key` is on the `validation` side."""
   fraction = config.validation_fraction

@@ -17,6 +17,10 @@ released bf16+FP8 checkpoint loads as bf16 (FP8 blocks are dequantised in
 float32, then cast). A float8 embedding falls back to config.json's
 `dtype`/`torch_dtype`, else bf16. The router gate and the expert bias are
 float32 whatever `dtype` says. `config.param_dtype` reports the result.
+The compute dtype follows the checkpoint's dtype too (not `dtype`): a
+float32 checkpoint computes in float32, so `save` -> `load` gives the saved
+model's logits exactly, and the released bf16+FP8 checkpoint computes in
+bf16. `compute_dtype=` overrides it.
 
 `save` writes the hub layout unquantised (HF transformers >= 5.18 and `load`
 read it back), sharded with an index above `max_shard_bytes`, into a temp
@@ -85,8 +89,9 @@ def load(path: str, *, dtype=None, **config_overrides):
   `dtype`: None keeps the checkpoint's dtype (module doc), otherwise every
   weight but the router and expert bias is cast to it. MTP modules are
   returned only where the checkpoint has them (`mtp.{k}.`); the config keeps
-  config.json's num_mtp_modules. `config_overrides` set non-hub fields
-  (e.g. compute_dtype="float32").
+  config.json's num_mtp_modules. `config_overrides` set non-hub fields;
+  compute_dtype defaults to the checkpoint's dtype (module doc), e.g.
+  compute_dtype="bfloat16" runs a float32 checkpoint in bf16.
   """
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.exists(config_path):
@@ -95,11 +100,17 @@ def load(path: str, *, dtype=None, **config_overrides):
     hf = json.load(f)
   block = _fp8_block_size(hf)
   reader = _Reader(path)
-  target = np.dtype(dtype) if dtype is not None else _checkpoint_dtype(reader, hf)
+  saved = _checkpoint_dtype(reader, hf)
+  target = np.dtype(dtype) if dtype is not None else saved
   if _dtype_name(target) not in DTYPES:
     raise CheckpointError(f"weights would load as {_dtype_name(target)}, not "
                           f"one of {DTYPES}: pass dtype=")
-  config = config_from_hf(hf, param_dtype=_dtype_name(target), **config_overrides)
+  # A float8 checkpoint's `saved` is its unquantised dtype (bf16 on the hub).
+  overrides = {"compute_dtype": _dtype_name(saved), **config_overrides}
+  if overrides["compute_dtype"] not in DTYPES:
+    raise CheckpointError(f"the checkpoint's dtype {_dtype_name(saved)} is "
+                          f"not one of {DTYPES}: pass compute_dtype=")
+  config = config_from_hf(hf, param_dtype=_dtype_name(target), **overrides)
 
   tensors = _main_tensors(config)
   for k in range(config.num_mtp_modules):

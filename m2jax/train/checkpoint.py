@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from m2jax.config import ConfigError, config_to_dict
-from m2jax.errors import UserError
+from m2jax.errors import MissingPathError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def _out_of_memory(e: Exception) -> bool:
 class Checkpointer:
   """Save / restore {state, data-iterator state, meta} every N steps."""
 
-  def __init__(self, directory: str, *, keep: int):
+  def __init__(self, directory: str, *, keep: int, read_only: bool = False):
+    """`read_only`: for reading a run that may still be training (e.g.
+    evaluating it): its unfinished steps are left alone."""
     self.directory = os.path.abspath(directory)
     self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
                                           CORRUPT_DIR)
@@ -91,7 +93,7 @@ class Checkpointer:
     # runs in a background thread that no public call waits for, and a run
     # refused right after this (e.g. a resume with another config) would
     # exit under it, the thread printing a traceback.
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not read_only:
       for tmp in ocp.path.step.all_temporary_paths(self.directory):
         tmp.get().rmtree()
     # Handlers named up front so that meta and the state's tree metadata can
@@ -201,6 +203,28 @@ class Checkpointer:
         f"load and were moved to {self.corrupt_directory}; refusing to start "
         "again from step 0. Inspect or repair them, or start over in a fresh "
         "--workdir (or remove that directory)")
+
+  def restore(self, step: int, abstract_state) -> tuple[Any, dict, dict]:
+    """(state, data_state, meta) of exactly `step`: no fallback to another
+    step, nothing moved (for reading a run, e.g. evaluating one step).
+
+    MissingPathError lists the steps there are when `step` is not one;
+    ConfigError names where the saved state's tree differs from
+    `abstract_state`'s.
+    """
+    steps = self.steps()
+    if step not in steps:
+      raise MissingPathError(
+          f"{self.directory} has no checkpoint of step {step}; its steps: "
+          f"{', '.join(map(str, steps)) or 'none'}")
+    where = self._state_difference(step, abstract_state)
+    if where is not None:
+      raise ConfigError(f"checkpoint step {step} in {self.directory} holds "
+                        f"another train state than its run's config: {where}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"], restored["meta"]
 
   def _read_meta(self, step: int) -> dict | None:
     """The step's meta (configs), or None when it does not read."""

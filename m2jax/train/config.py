@@ -119,6 +119,17 @@ class TrainConfig:
     """[(first step, seq_len), ...] of the context schedule."""
     return [(int(round(f * self.steps)), n) for f, n in self.context_schedule]
 
+  def check_model(self, model_config) -> None:
+    """Refuse, before any work, what this config asks of a model that does
+    not have it (else the jitted train step fails, after the first eval)."""
+    modules = model_config.num_mtp_modules
+    if self.mtp_depth > modules:
+      raise ConfigError(
+          f"TrainConfig.mtp_depth={self.mtp_depth} exceeds "
+          f"ModelConfig.num_mtp_modules={modules}: train fewer "
+          f"(--mtp_depth={modules}) or give the model more "
+          f"(--override=num_mtp_modules={self.mtp_depth})")
+
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
 

@@ -38,8 +38,8 @@ from tqdm import tqdm
 from m2jax import params as params_lib
 from m2jax import sharding
 from m2jax.config import ConfigError, ModelConfig, config_to_dict
-from m2jax.data import (DataConfig, make_dataset, make_iterator, make_tokenizer,
-                        next_stage_start, split_documents)
+from m2jax.data import (DataConfig, check_splits, make_dataset, make_iterator,
+                        make_tokenizer, next_stage_start)
 from m2jax.data.source import DataSource
 from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
@@ -188,10 +188,13 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
+  # Mistakes fail here, before any work: a model without the MTP modules
+  # asked for, a wrong data path, a split without documents.
+  tcfg.check_model(mcfg)
   if isinstance(dcfg, DataSource):
     tokenizer, saved_data = dcfg.tokenizer, dcfg.config
   else:
-    split_documents(dcfg)  # a wrong data path fails here, before any work
+    check_splits(dcfg)
     tokenizer, saved_data = None, dcfg
   os.makedirs(workdir, exist_ok=True)
   if tokenizer is None:  # process 0 builds and saves it, the others load it
@@ -247,64 +250,69 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   resumed = resume and start > 0
   writer = (MetricsWriter(workdir, resume_step=start if resumed else None)
             if primary else _NoWriter())
-  flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
-  peak = peak_flops()
-  end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
-
   summary = {}
   bar = tqdm(total=tcfg.steps, initial=start, disable=not (progress and primary),
              desc="pretrain", unit="step", dynamic_ncols=True)
+  # Both closed on every way out: an unclosed tensorboardX writer prints a
+  # thread traceback at interpreter exit under the real error, an unclosed
+  # bar leaves the error on the bar's line.
+  try:
+    flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+    peak = peak_flops()
+    end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
 
-  def eval_and_log(step):
-    ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
-    writer.write(step, ev)
-    summary.update(ev)
-    bar.write(f"step {step}: val_loss {ev['val_loss']:.4f} nats/token, "
-              f"{ev['val_bpb']:.4f} bits/byte")
+    def eval_and_log(step):
+      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
+      writer.write(step, ev)
+      summary.update(ev)
+      bar.write(f"step {step}: val_loss {ev['val_loss']:.4f} nats/token, "
+                f"{ev['val_bpb']:.4f} bits/byte")
 
-  if start == 0 and end > 0:
-    eval_and_log(0)  # where training starts from (about ln V untrained)
-  tick, tick_tokens = time.perf_counter(), 0
-  for step in range(start, end):
-    if _stage_at(stages, step) != stage:
-      ended = {"stage": stage, "iterator": train_it.get_state()}
-      train_it.close()
-      stage = _stage_at(stages, step)
-      sdcfg = stages[stage][1]
-      train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
-      flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
-      bar.write(f"step {step}: context stage {stage}, seq_len "
-                f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
-    batch = next(train_it)
-    state, metrics = train_fn(state, _device_batch(batch, mesh,
-                                                   sdcfg.batch_size))
-    tick_tokens += sdcfg.batch_size * sdcfg.seq_len
-    done = step + 1
-    if done % tcfg.log_every == 0 or done == end:
-      metrics = jax.device_get(metrics)
-      elapsed = time.perf_counter() - tick
-      tps = tick_tokens / max(elapsed, 1e-9)
-      metrics["tokens_per_sec"] = tps
-      metrics["seq_len"] = sdcfg.seq_len
-      if peak:
-        metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
-      writer.write(done, metrics)
-      summary["loss"] = float(metrics["loss"])
-      summary["metrics"] = {k: float(v) for k, v in metrics.items()}
-      if should_stop is not None and should_stop(done, metrics):
-        end = done
-      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", tok_s=f"{tps:,.0f}")
-      tick, tick_tokens = time.perf_counter(), 0
-    if done % tcfg.eval_every == 0 or done == tcfg.steps:
-      eval_and_log(done)
-    if done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end):
-      checkpointer.save(done, state, {"stage": stage,
-                                      "iterator": train_it.get_state()}, meta)
-    bar.update(1)
-    if done >= end:
-      break
-  bar.close()
-  writer.close()
+    if start == 0 and end > 0:
+      eval_and_log(0)  # where training starts from (about ln V untrained)
+    tick, tick_tokens = time.perf_counter(), 0
+    for step in range(start, end):
+      if _stage_at(stages, step) != stage:
+        ended = {"stage": stage, "iterator": train_it.get_state()}
+        train_it.close()
+        stage = _stage_at(stages, step)
+        sdcfg = stages[stage][1]
+        train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
+        flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+        bar.write(f"step {step}: context stage {stage}, seq_len "
+                  f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
+      batch = next(train_it)
+      state, metrics = train_fn(state, _device_batch(batch, mesh,
+                                                     sdcfg.batch_size))
+      tick_tokens += sdcfg.batch_size * sdcfg.seq_len
+      done = step + 1
+      if done % tcfg.log_every == 0 or done == end:
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - tick
+        tps = tick_tokens / max(elapsed, 1e-9)
+        metrics["tokens_per_sec"] = tps
+        metrics["seq_len"] = sdcfg.seq_len
+        if peak:
+          metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+        writer.write(done, metrics)
+        summary["loss"] = float(metrics["loss"])
+        summary["metrics"] = {k: float(v) for k, v in metrics.items()}
+        if should_stop is not None and should_stop(done, metrics):
+          end = done
+        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
+                        tok_s=f"{tps:,.0f}")
+        tick, tick_tokens = time.perf_counter(), 0
+      if done % tcfg.eval_every == 0 or done == tcfg.steps:
+        eval_and_log(done)
+      if done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end):
+        checkpointer.save(done, state, {"stage": stage,
+                                        "iterator": train_it.get_state()}, meta)
+      bar.update(1)
+      if done >= end:
+        break
+  finally:
+    bar.close()
+    writer.close()
   checkpointer.close()
 
   summary["step"] = int(state.step)

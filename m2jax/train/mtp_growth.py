@@ -69,6 +69,7 @@ import optax
 from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.data import make_dataset, make_tokenizer
+from m2jax.errors import ExistingPathError
 from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train import losses, schedules
 from m2jax.train import state as state_lib
@@ -287,6 +288,28 @@ def _host(tree):
   return jax.tree.map(np.array, tree)
 
 
+PHASES = ("mtp_only", "joint", "mtp_only_to_end")
+
+
+def _check_no_arms(workdir: str, inits) -> None:
+  """Refuse, before any work, a WORKDIR that already holds the phases of an
+  earlier experiment (only WORKDIR/base is reused; a phase would otherwise
+  be refused after the base run, as a pretrain workdir in use)."""
+  used = [f"{init}/{phase}" for init in inits for phase in PHASES
+          if any(name.isdigit() for name in _listdir(
+              os.path.join(workdir, init, phase, "checkpoints")))]
+  if used:
+    raise ExistingPathError(
+        f"{workdir} holds the phases of an earlier mtp_growth run "
+        f"({', '.join(used)}); only its base/ is reused: start a fresh "
+        f"--workdir (copy {os.path.join(workdir, 'base')} into it to skip the "
+        "base pretraining) or remove those directories")
+
+
+def _listdir(path: str) -> list[str]:
+  return os.listdir(path) if os.path.isdir(path) else []
+
+
 def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
                    base_steps: int, growth_steps: int, depth: int,
                    inits=INITS, mtp_only_max_steps: int,
@@ -327,6 +350,7 @@ def run_experiment(model_config: ModelConfig, data_config, workdir: str, *,
     return pretrain(mcfg, tcfg, data_config, os.path.join(workdir, name),
                     progress=progress, sample_tokens=0, mesh=mesh, **kwargs)
 
+  _check_no_arms(workdir, inits)
   base_config = model_config.replace(num_mtp_modules=1)
   base_dir = os.path.join(workdir, "base")
   saved = os.path.join(base_dir, "config.json")

@@ -1,0 +1,314 @@
+"""Every command README.md and BUILD.md show is run, at tiny shapes, or
+skipped for a stated reason (issue 21: a documented command that fails is
+a bug a new user meets first).
+
+The commands are read from the two files: each line of a shell code block
+(backslash continuations joined, comments dropped), each inline code span
+that starts like a command (`python -m ...`, `make ...`, `pip ...`,
+`tensorboard ...`, a `.venv*/bin/...` program, a `*.sh` script), and each
+Python code block. COMMANDS says, by the command's text, how it is covered:
+run as a tiny-shape variant (a temporary workdir, a few steps, short rows;
+the flags that shrink it come last, and absl lets the last value win) or
+skipped, with the reason (a GPU, several hosts, installing packages, the
+test suite itself). A command added to the docs without an entry here, or
+an entry whose command left the docs, fails
+test_every_documented_command_is_covered.
+
+The runs share one pretrain run directory ({RUN}) and one persistent XLA
+compilation cache, so the runs after the first compile little.
+"""
+
+import ast
+import collections
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from m2jax import hf, model
+from m2jax.eval import runs
+from m2jax.sweep import GRIDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ("README.md", "BUILD.md")
+PY = "{PY}"  # this interpreter
+# What every tiny pretrain adds: one layer, rows, evals and a sample small
+# enough for a 2-core CPU, one shape for all (compiled once, then cached).
+TINY = ("--override=num_layers=1", "--seq_len=32", "--batch_size=2",
+        "--eval_batches=1", "--sample_tokens=4", "--log_every=1")
+HF_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_tiny_fp32_sharded")
+
+Run = collections.namedtuple("Run", "argv check status", defaults=(None, 0))
+Skip = collections.namedtuple("Skip", "reason")
+
+GPU = "needs a GPU: "
+INSTALLS = "installs packages (the environment these tests run in)"
+
+# Documented command (its text, whitespace collapsed) -> how it is covered.
+# In Run argv: {PY} this Python, {RUN} the shared run, {TMP} a temporary
+# directory, {DEMO} the pretrain command of the Makefile's demo target.
+COMMANDS = {
+    # The shared run first: the commands below read it.
+    "python -m experiments.pretrain --preset=tiny --steps=1000 "
+    "--workdir=runs/tiny": Run(
+        (PY, "-m", "experiments.pretrain", "--preset=tiny", "--steps=2",
+         "--workdir={RUN}", *TINY), "run"),
+    "python -m experiments.pretrain --workdir=runs/tiny --resume "
+    "--steps=2000 ...": Run(
+        (PY, "-m", "experiments.pretrain", "--workdir={RUN}", "--resume",
+         "--steps=3", *TINY), "resume"),
+    "python -m experiments.evaluate --workdir=runs/tiny": Run(
+        (PY, "-m", "experiments.evaluate", "--workdir={RUN}",
+         "--tasks=niah_single", "--examples_per_point=1", "--val_batches=1"),
+        "evaluate"),  # the default --lengths
+    "python -m experiments.export --workdir=runs/tiny --out=runs/tiny_hub": Run(
+        (PY, "-m", "experiments.export", "--workdir={RUN}",
+         "--out={TMP}/tiny_hub"), "export"),
+    "python -m experiments.export --workdir=RUN --out=DIR": Run(
+        (PY, "-m", "experiments.export", "--workdir={RUN}",
+         "--out={TMP}/hub_readme", "--step=2")),
+    "make demo": Run(("{DEMO}", "--steps=2", "--workdir={TMP}/demo", *TINY)),
+    "python -m experiments.pretrain --helpshort": Run(
+        (PY, "-m", "experiments.pretrain", "--helpshort"), "help",
+        status=1),  # absl's help flags exit with 1
+    "python -m experiments.describe --preset=minimax_m2": Run(
+        (PY, "-m", "experiments.describe", "--preset=minimax_m2"), "describe"),
+    "python -m experiments.describe --preset=m2_small": Run(
+        (PY, "-m", "experiments.describe", "--preset=m2_small")),
+    "python -m experiments.sweep --grid=attention|mtp|experts|gating": Run(
+        (PY, "-m", "experiments.sweep", "--grid=attention", "--variants=full",
+         "--seeds=0", "--steps=2", "--seq_len=160", "--batch_size=2",
+         "--override=num_layers=1", "--train_documents=8",
+         "--eval_lengths=128",
+         "--examples_per_point=1", "--sweep_dir={TMP}/sweep"), "sweep"),
+    "python -m experiments.recall_check": Run(
+        (PY, "-m", "experiments.recall_check", "--steps=2", "--batch_size=2",
+         "--override=num_layers=1"), "recall"),
+    # Not run here.
+    "make test": Skip("the test suite itself, which holds this test"),
+    "make venv": Skip(INSTALLS),
+    ". .venv/bin/activate": Skip("changes the calling shell's PATH: these "
+                                 "tests name their Python directly"),
+    "python3.12 -m venv .venv && .venv/bin/pip install -e '.[test]'":
+        Skip(INSTALLS),
+    'pip install "jax[cuda13]==0.11.2"': Skip(GPU + "JAX's CUDA build"),
+    "pip install tensorboard": Skip(
+        "installs the viewer; the event files it reads are checked in the "
+        "shared run"),
+    "tensorboard --logdir runs/m2_small/tensorboard": Skip(
+        "the viewer is not installed (pip install tensorboard); the event "
+        "files are checked in the shared run"),
+    "python3.11 -m venv .venv-hf && .venv-hf/bin/pip install -r "
+    "scripts/requirements-hf.txt": Skip(
+        "installs torch and transformers in an environment of its own"),
+    ".venv-hf/bin/python scripts/make_hf_fixtures.py": Skip(
+        "needs torch and transformers; tests/test_hf.py checks the fixtures "
+        "it wrote against m2jax"),
+    ".venv/bin/python -m pytest tests/test_model.py -q": Skip(
+        "part of make test"),
+    "python -m experiments.pretrain --preset=m2_small --seq_len=2048 "
+    "--batch_size=8 --steps=5000 --workdir=runs/m2_small": Skip(
+        GPU + "m2_small at 2048 tokens; its tiny-shape variant is the tiny "
+        "pretrain above"),
+    "export NCCL_NVLS_ENABLE=0": Skip(GPU + "an NCCL setting"),
+    "python -m experiments.pretrain --preset=m2_small --mesh=expert=4 "
+    "--seq_len=2048 --batch_size=32 --moe_capacity_factor=1.5 "
+    "--workdir=runs/m2_small_ep4": Skip(
+        GPU + "4 of them; the training loop on meshes runs on 8 fake CPU "
+        "devices in tests/test_sharding.py"),
+    "export XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_"
+    "decomposer=true": Skip(GPU + "an XLA GPU flag"),
+    "python -m experiments.pretrain --preset=m2_small --mesh=data=2,expert=8 "
+    "--batch_size=128 --workdir=/shared/runs/m2 "
+    "--coordinator_address=host0:1234 --num_processes=2 "
+    "--process_id=$RANK": Skip("several hosts with 16 GPUs"),
+    "python -m experiments.bench_gmm": Skip(GPU + "times the Hopper kernels"),
+    "python -m experiments.bench_train --preset=m2_small": Skip(
+        GPU + "m2_small training throughput"),
+    "python -m experiments.bench_prefix_tree": Skip(
+        GPU + "times the Hopper tree-attention kernels"),
+    "python -m experiments.bench_scaling": Skip(GPU + "several of them"),
+    "python -m experiments.bench_all_to_all": Skip(GPU + "several of them"),
+    "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
+    "prefix_model|prefix_agent128": Skip(
+        GPU + "runs the benchmarks on a device machine"),
+}
+
+# Python code blocks, by their first line -> ({text: replacement}, checks
+# run after the block, in its namespace).
+PYTHON_BLOCKS = {
+    # The comment on load_E: [layers, experts], each row sums to tokens x
+    # top_k, and it feeds the bias update.
+    "import jax": ({}, """
+import numpy as np
+assert out.routing.load_E.shape == (cfg.num_layers, cfg.num_experts)
+np.testing.assert_allclose(np.asarray(out.routing.load_E).sum(axis=1),
+                           tokens.size * cfg.num_experts_per_tok)
+assert jax.tree.structure(bias) == jax.tree.structure(
+    variables["expert_bias"])
+"""),
+    "import m2jax.hf": ({"/path/to/MiniMax-M2": HF_FIXTURE},
+                        "assert cfg.param_dtype == cfg.compute_dtype\n"),
+}
+
+_COMMAND_SPAN = re.compile(
+    r"^(python\S* -m |python\S* \S+\.py|make |pip |tensorboard |"
+    r"\.venv\S*/bin/|\S+\.sh\b)")
+
+
+def _normalize(text: str) -> str:
+  return " ".join(text.replace("\\\n", " ").split())
+
+
+def documented():
+  """(shell commands, python blocks) of README.md and BUILD.md, in order."""
+  commands, blocks = [], []
+  for name in DOCS:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+      text = f.read()
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
+      if lang == "python":
+        blocks.append(body)
+        continue
+      for line in body.replace("\\\n", " ").splitlines():
+        line = line.split(" #")[0].strip()
+        if line:
+          commands.append(_normalize(line))
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    for span in re.findall(r"`([^`]+)`", prose):
+      span = _normalize(span)
+      if _COMMAND_SPAN.match(span):
+        commands.append(span)
+  return list(dict.fromkeys(commands)), blocks
+
+
+def test_every_documented_command_is_covered():
+  commands, blocks = documented()
+  missing = [c for c in commands if c not in COMMANDS]
+  stale = [c for c in COMMANDS if c not in commands]
+  assert not missing, f"documented but not in COMMANDS: {missing}"
+  assert not stale, f"in COMMANDS but no longer documented: {stale}"
+  firsts = [b.splitlines()[0] for b in blocks]
+  assert sorted(firsts) == sorted(PYTHON_BLOCKS), firsts
+  # The README's one sweep line names every grid there is.
+  assert {"attention", "mtp", "experts", "gating"} == set(GRIDS)
+
+
+def test_script_docstrings_keep_their_lines():
+  # An experiment script's docstring is its --help text; in a plain string
+  # a backslash continuation of a usage example joins it with the next line.
+  for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py"))):
+    with open(path, encoding="utf-8") as f:
+      source = f.read()
+    tree = ast.parse(source)
+    if not (tree.body and isinstance(tree.body[0], ast.Expr)):
+      continue
+    written = ast.get_source_segment(source, tree.body[0])
+    assert tree.body[0].value.value.count("\n") == written.count("\n"), (
+        f"{path}: make the docstring raw (r\"\"\"...)")
+
+
+def _demo_command() -> list[str]:
+  """The pretrain command of the Makefile's demo target, as argv."""
+  with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+    recipe = f.read().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+  line = next(l for l in recipe.replace("\\\n", " ").splitlines()
+              if "-m experiments.pretrain" in l)
+  argv = shlex.split(line.replace("$(PY)", sys.executable))
+  return [a for a in argv if "$(DEMO_DIR)" not in a]
+
+
+def _python_block_programs() -> dict[str, str]:
+  """{first line: the block with its replacements, then its checks}."""
+  _, blocks = documented()
+  programs = {}
+  for body in blocks:
+    first = body.splitlines()[0]
+    replacements, checks = PYTHON_BLOCKS[first]
+    for old, new in replacements.items():
+      body = body.replace(old, new)
+    programs[first] = body + checks
+  return programs
+
+
+def _check(kind, proc, tmp):
+  """Command-specific checks of what a run left behind."""
+  run = os.path.join(tmp, "run")
+  if kind == "run":
+    assert os.listdir(os.path.join(run, "tensorboard"))  # event files
+    assert runs.checkpoint_steps(run) == [2]
+  elif kind == "resume":
+    assert runs.checkpoint_steps(run)[-1] == 3
+  elif kind == "evaluate":
+    with open(os.path.join(run, "eval.json"), encoding="utf-8") as f:
+      result = json.load(f)
+    assert result["step"] == 3 and np.isfinite(result["val_loss"])
+    assert sorted(result["tasks"]["niah_single"]) == ["128", "256", "512"]
+  elif kind == "export":
+    cfg, variables = hf.load(os.path.join(tmp, "tiny_hub"))
+    assert cfg == runs.load_configs(run)[0]
+    assert model.logits(cfg, variables, np.zeros((1, 4), np.int32)).shape == (
+        1, 4, cfg.vocab_size)
+  elif kind == "help":
+    # The usage examples keep their lines (a docstring's backslash
+    # continuations once joined them into one).
+    lines = proc.stdout.splitlines()
+    example = ("  python -m experiments.pretrain --preset=m2_small "
+               "--seq_len=8192 \\")
+    assert example in lines, proc.stdout[:2000]
+    assert any(l.startswith("  --context_schedule:") for l in lines)
+  elif kind == "describe":
+    assert "228689764864" in proc.stdout.replace(",", "")
+  elif kind == "sweep":
+    assert os.path.exists(os.path.join(tmp, "sweep", "results.json"))
+  elif kind == "recall":
+    assert "recall accuracy" in proc.stdout
+
+
+def test_documented_commands_run(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"),
+             # Compiling dominates on a CPU; the arrays are tiny.
+             XLA_FLAGS="--xla_backend_optimization_level=0 "
+             "--xla_llvm_disable_expensive_passes=true")
+  subs = {"{PY}": sys.executable, "{RUN}": str(tmp_path / "run"),
+          "{TMP}": str(tmp_path)}
+  failures, seconds = [], {}
+  for command, how in COMMANDS.items():
+    if isinstance(how, Skip):
+      continue
+    argv = []
+    for arg in how.argv:
+      if arg == "{DEMO}":
+        argv += _demo_command()
+        continue
+      for key, value in subs.items():
+        arg = arg.replace(key, value)
+      argv.append(arg)
+    start = time.time()
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    seconds[command] = round(time.time() - start, 1)
+    try:
+      assert proc.returncode == how.status, f"exit status {proc.returncode}"
+      assert "Traceback" not in proc.stderr
+      _check(how.check, proc, str(tmp_path))
+    except AssertionError as e:
+      failures.append(f"{command}\n  ran {shlex.join(argv)}\n  {e}\n"
+                      f"  stderr: {proc.stderr[-1500:]}")
+  for first, program in _python_block_programs().items():
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300,
+                          check=False)
+    seconds[first] = round(time.time() - start, 1)
+    if proc.returncode:
+      failures.append(f"the Python block {first!r}:\n{proc.stderr[-1500:]}")
+  print(json.dumps(seconds, indent=1))
+  assert not failures, "\n\n".join(failures)
