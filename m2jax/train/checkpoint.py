@@ -202,6 +202,14 @@ class Checkpointer:
         "again from step 0. Inspect or repair them, or start over in a fresh "
         "--workdir (or remove that directory)")
 
+  def newest_meta(self) -> dict | None:
+    """The meta (configs) of the newest step whose meta reads, or None."""
+    for step in reversed(self.steps()):
+      meta = self._read_meta(step)
+      if meta is not None:
+        return meta
+    return None
+
   def _read_meta(self, step: int) -> dict | None:
     """The step's meta (configs), or None when it does not read."""
     try:
