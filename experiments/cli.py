@@ -10,11 +10,20 @@ directory that cannot be resumed as asked) print one line on stderr,
 and exit with status 2, the usage-error convention. Every other exception
 is a bug and keeps its full traceback.
 
+An interrupt is not an error either: a training loop stopped by SIGINT or
+SIGTERM (m2jax.train.interrupt.TrainingInterrupted, after checkpointing its
+last step) or a Ctrl-C elsewhere prints one line,
+
+  interrupted: SIGINT: stopped after step 120, whose checkpoint is in ...
+
+and exits with the shell's status for the signal (130 SIGINT, 143 SIGTERM).
+
 absl's own app.UsageError is not used: absl answers it with the script's
 docstring and a pointer to --helpfull, so the one line that says what was
 wrong scrolls away under the usage examples. --help still prints those.
 """
 
+import signal
 import sys
 from typing import NoReturn
 
@@ -54,12 +63,19 @@ def integer_lists(*names: str) -> None:
 
 
 def run(main) -> None:
-  """absl.app.run(main), with user errors reported as one line (exit 2)."""
+  """absl.app.run(main), with user errors reported as one line (exit 2) and
+  interrupts as one line (exit 128 + the signal)."""
 
   def main_reporting_user_errors(argv):
     try:
       return main(argv)
     except UserError as e:
       _exit_with(e)
+    except KeyboardInterrupt as e:
+      # Exiting: one more Ctrl-C must not turn this line into a traceback.
+      for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
+      print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+      sys.exit(getattr(e, "exit_status", 128 + signal.SIGINT))
 
   app.run(main_reporting_user_errors, flags_parser=_parse_flags)

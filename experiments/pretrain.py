@@ -2,6 +2,7 @@ r"""Pretrain a MiniMax-M2-style model (the main job; `make demo` runs it).
 
   python -m experiments.pretrain --preset=tiny --steps=300 --workdir=runs/tiny
   python -m experiments.pretrain --workdir=runs/tiny --resume   # continue
+  python -m experiments.pretrain --workdir=runs/tiny --resume --steps=600
   python -m experiments.pretrain --preset=m2_small --data=/path/*.jsonl \
       --seq_len=2048 --batch_size=16 --gmm_backend=mosaic
   python -m experiments.pretrain --preset=m2_small --mesh=expert=4 \
@@ -20,7 +21,9 @@ from absl import flags, logging
 from experiments import cli, run_flags
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
+from m2jax.train import resume
 from m2jax.train.config import TrainConfig, parse_context_schedule
+from m2jax.train.interrupt import TrainingInterrupted
 from m2jax.train.loop import pretrain
 
 FLAGS = flags.FLAGS
@@ -29,7 +32,10 @@ flags.DEFINE_multi_string("override", [],
                           "ModelConfig FIELD=VALUE, repeatable "
                           "(e.g. attention_pattern=sliding,full).")
 flags.DEFINE_string("workdir", "runs/pretrain", "Run directory.")
-flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint.")
+flags.DEFINE_bool("resume", False, "Continue the run in --workdir from its "
+                  "newest checkpoint, with its saved configs: flags given "
+                  "must agree with them, except --steps and the cadence "
+                  "flags (--log_every ... --keep_checkpoints).")
 # Data.
 flags.DEFINE_string("data", "stdlib",
                     "'stdlib' (embedded corpus), a directory, file or glob of "
@@ -82,6 +88,88 @@ flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
+# The config field each flag sets ({flag: field}). With --resume, a flag
+# given explicitly must agree with the run's saved config (or be one of
+# resume.RESUMABLE_TRAIN_FIELDS); a flag left out takes the saved value.
+DATA_FLAGS = {"data": "source", "documents": "documents",
+              "context_documents": "context_documents",
+              "validation_data": "validation_source",
+              "validation_fraction": "validation_fraction",
+              "tokenizer": "tokenizer", "bpe_vocab_size": "bpe_vocab_size",
+              "seq_len": "seq_len", "batch_size": "batch_size", "seed": "seed"}
+TRAIN_FLAGS = {
+    "steps": "steps", "seed": "seed", "optimizer": "optimizer",
+    "learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
+    "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
+    "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
+    "mtp_weight": "mtp_weight", "mtp_weight_final": "mtp_weight_final",
+    "z_loss": "z_loss_coef", "aux_loss": "aux_loss_coef",
+    "context_schedule": "context_schedule", "log_every": "log_every",
+    "eval_every": "eval_every", "eval_batches": "eval_batches",
+    "checkpoint_every": "checkpoint_every",
+    "keep_checkpoints": "keep_checkpoints"}
+
+
+def _flag_value(name: str):
+  if name == "context_schedule":
+    return parse_context_schedule(FLAGS.context_schedule)
+  return FLAGS[name].value
+
+
+def _given(table: dict[str, str], *, explicit_only: bool
+           ) -> dict[str, resume.Given]:
+  """{field: Given} of the flags in `table` (only those on the command line
+  when `explicit_only`)."""
+  return {field: resume.Given(_flag_value(flag),
+                              f"--{flag}={FLAGS[flag].value}")
+          for flag, field in table.items()
+          if FLAGS[flag].present or not explicit_only}
+
+
+def _model_given(base: config_lib.ModelConfig) -> dict[str, resume.Given]:
+  """{field: Given} of --preset (when given: all its fields) and each
+  --override, applied to `base`."""
+  given = {}
+  if FLAGS["preset"].present:
+    preset = config_lib.config_to_dict(base)
+    given = {field: resume.Given(getattr(base, field),
+                                 f"--preset={FLAGS.preset}")
+             for field in preset}
+  config = config_lib.apply_overrides(base, FLAGS.override)
+  for item in FLAGS.override:
+    field = item.partition("=")[0].strip()
+    given[field] = resume.Given(getattr(config, field), f"--override={item}")
+  return given
+
+
+def _configs_from_flags():
+  """(model, train, data) configs of a new run: every flag counts."""
+  model_config = config_lib.apply_overrides(
+      config_lib.get_preset(FLAGS.preset), FLAGS.override)
+  train = {f: g.value for f, g in _given(TRAIN_FLAGS,
+                                         explicit_only=False).items()}
+  data = {f: g.value for f, g in _given(DATA_FLAGS,
+                                        explicit_only=False).items()}
+  return model_config, TrainConfig(**train), DataConfig(**data)
+
+
+def _configs_of_run(workdir: str):
+  """(model, train, data) configs of the run in `workdir`, with the flags
+  given explicitly checked against them (m2jax.train.resume)."""
+  saved = resume.read_run_configs(workdir)
+  # --override applies to the given preset, or else to the run's model.
+  base = (config_lib.get_preset(FLAGS.preset) if FLAGS["preset"].present
+          else config_lib.config_from_dict(config_lib.ModelConfig,
+                                           saved["model"]))
+  model_config = resume.resumed_config(config_lib.ModelConfig,
+                                       saved["model"], _model_given(base))
+  train_config = resume.resumed_config(
+      TrainConfig, saved["train"], _given(TRAIN_FLAGS, explicit_only=True),
+      may_change=resume.RESUMABLE_TRAIN_FIELDS)
+  data_config = resume.resumed_config(
+      DataConfig, saved["data"], _given(DATA_FLAGS, explicit_only=True))
+  return model_config, train_config, data_config
+
 
 def _vocab_for_tokenizer(model_config):
   """The model config with the BPE tokenizer's vocabulary size, unless the
@@ -108,31 +196,21 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
   mesh, settings = run_flags.from_flags()
-  model_config = _vocab_for_tokenizer(config_lib.apply_overrides(
-      config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
-          settings=settings))
-  data_config = DataConfig(
-      source=FLAGS.data, documents=FLAGS.documents,
-      context_documents=FLAGS.context_documents,
-      validation_source=FLAGS.validation_data,
-      validation_fraction=FLAGS.validation_fraction, tokenizer=FLAGS.tokenizer,
-      bpe_vocab_size=FLAGS.bpe_vocab_size, seq_len=FLAGS.seq_len,
-      batch_size=FLAGS.batch_size, seed=FLAGS.seed)
-  train_config = TrainConfig(
-      steps=FLAGS.steps, seed=FLAGS.seed, optimizer=FLAGS.optimizer,
-      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
-      decay_fraction=FLAGS.decay_fraction, weight_decay=FLAGS.weight_decay,
-      grad_clip=FLAGS.grad_clip, mtp_depth=FLAGS.mtp_depth,
-      mtp_weight=FLAGS.mtp_weight, mtp_weight_final=FLAGS.mtp_weight_final,
-      z_loss_coef=FLAGS.z_loss, aux_loss_coef=FLAGS.aux_loss,
-      context_schedule=parse_context_schedule(FLAGS.context_schedule),
-      log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
-      eval_batches=FLAGS.eval_batches,
-      checkpoint_every=FLAGS.checkpoint_every,
-      keep_checkpoints=FLAGS.keep_checkpoints)
-  summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,
-                     resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens,
-                     mesh=mesh)
+  model_config, train_config, data_config = (
+      _configs_of_run(FLAGS.workdir) if FLAGS.resume
+      else _configs_from_flags())
+  if not FLAGS.resume:
+    model_config = _vocab_for_tokenizer(model_config)
+  model_config = model_config.replace(settings=settings)  # never saved
+  try:
+    summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,
+                       resume=FLAGS.resume, sample_tokens=FLAGS.sample_tokens,
+                       mesh=mesh)
+  except TrainingInterrupted as e:  # printed by cli.run, with what to do
+    raise TrainingInterrupted(
+        e.signum, e.step, e.directory, continue_with=(
+            f"python -m experiments.pretrain --workdir={FLAGS.workdir} "
+            "--resume")) from None
   sample = summary.pop("sample", None)
   summary.pop("state", None)
   summary.pop("metrics", None)  # every logged step is in metrics.jsonl

@@ -4,7 +4,10 @@ r"""Run an ablation sweep (resumable) and write its report.
       --seeds=0,1 --sweep_dir=runs/sweep_attention
   python -m experiments.sweep --grid=experts ...   # mtp, experts, gating
 
-Rerunning the same command skips finished runs and resumes a killed one.
+Rerunning the same command skips finished runs and resumes a killed (or
+Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
+now; results.json and the report always cover every finished run of
+--sweep_dir (python -m experiments.report rewrites the report alone).
 """
 
 from absl import flags, logging
@@ -30,7 +33,8 @@ flags.DEFINE_integer("train_documents", 4000, "Synthetic training documents.")
 flags.DEFINE_float("drill_fraction", 0.0, "Fraction of the synthetic "
                    "training documents that are retrieval drills (every fact "
                    "asked for; m2jax.eval.tasks.DRILLS).")
-flags.DEFINE_list("variants", [], "Arms of the grid to run (default: all).")
+flags.DEFINE_list("variants", [], "Arms of the grid to run now (default: "
+                  "all); the report covers every finished arm.")
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")

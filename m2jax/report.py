@@ -1,14 +1,26 @@
 """Sweep reports: markdown tables (mean ± std over seeds) and PNG plots.
 
 `write_report(results, out_dir)` writes
-  report.md            one table per grid: validation loss and bits per
-                       byte, routing balance, task accuracy per context length
-  loss_curves.png      training loss per variant (mean over seeds)
-  context_scores.png   task accuracy (mean over tasks) against context length
+  report.md           one table per grid: validation loss and bits per
+                      byte, routing balance, task accuracy per context length
+  loss_curves.png     the next-token loss: training (smoothed) and
+                      validation, against steps on a log scale
+  router_balance.png  the routers' load balance (max / mean expert load - 1)
+                      against steps, for runs that log it (MoE)
+  context_scores.png  task accuracy (mean over tasks) against context
+                      length; only when some run scored above zero (a flat
+                      line at zero says nothing a table does not)
+Every curve is the mean over seeds with a band from the lowest to the
+highest seed (`plot_series` computes them; the plots only draw).
+
+The training loss plotted is the next-token cross-entropy ("ce"), not the
+total trained on ("loss" adds the MTP term and the balance loss), so arms
+with and without MTP compare on what they share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 
@@ -17,6 +29,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
+
+# Training curves are averaged over a window of this many decades of steps
+# around each point (+-0.05: +-12%), so the smoothing is even on a log axis.
+SMOOTH_HALF_WIDTH_DECADES = 0.05
+FILES = {"report": "report.md", "loss_curves": "loss_curves.png",
+         "router_balance": "router_balance.png",
+         "context_scores": "context_scores.png"}
 
 
 def _pm(values) -> str:
@@ -32,12 +51,159 @@ def _by_variant(results: dict) -> dict[str, list[dict]]:
   runs = defaultdict(list)
   for run in results["runs"]:
     runs[run["variant"]].append(run)
-  order = results.get("variants") or list(runs)
+  order = list(dict.fromkeys([*(results.get("variants") or []), *runs]))
   return {v: runs[v] for v in order if v in runs}
+
+
+def _seeds(results: dict) -> list[int]:
+  return sorted({run["seed"] for run in results["runs"]})
 
 
 def _task_mean(run: dict, length: str) -> float:
   return float(np.mean([scores[length] for scores in run["tasks"].values()]))
+
+
+def smooth_log(steps, values,
+               half_width: float = SMOOTH_HALF_WIDTH_DECADES) -> np.ndarray:
+  """Each value averaged with its neighbours within `half_width` decades of
+  its step (steps > 0)."""
+  log_steps = np.log10(np.asarray(steps, float))
+  values = np.asarray(values, float)
+  near_NxN = np.abs(log_steps[:, None] - log_steps[None, :]) <= half_width
+  return (near_NxN @ values) / near_NxN.sum(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+  """One arm's curve: the mean over seeds and the lowest and highest seed,
+  at the steps every seed logged."""
+  steps: np.ndarray
+  mean: np.ndarray
+  low: np.ndarray
+  high: np.ndarray
+  seeds: int
+
+
+def seed_band(curves: list[list[list[float]]], *, smooth: bool = False
+              ) -> Band | None:
+  """A Band of per-seed curves ([[step, value], ...] each, steps > 0 kept),
+  each smoothed first when `smooth`; None when no step is common to all."""
+  per_seed = []
+  for curve in curves:
+    points = {int(s): float(v) for s, v in curve if s > 0}
+    steps = sorted(points)
+    values = [points[s] for s in steps]
+    if smooth and steps:
+      values = smooth_log(steps, values)
+    per_seed.append(dict(zip(steps, values)))
+  common = sorted(set.intersection(*(set(c) for c in per_seed))
+                  if per_seed else ())
+  if not common:
+    return None
+  values_SxN = np.array([[c[s] for s in common] for c in per_seed])
+  return Band(np.array(common), values_SxN.mean(0), values_SxN.min(0),
+              values_SxN.max(0), len(per_seed))
+
+
+def plot_series(results: dict) -> dict[str, dict[str, Band]]:
+  """The plotted curves, per kind and arm:
+    next_token  training next-token loss ("ce_curve"), smoothed
+    validation  validation next-token loss ("val_curve"; step 0, the
+                untrained model, left out)
+    balance     router max/mean load - 1 ("balance_curve"), smoothed; only
+                arms whose runs all logged it
+  """
+  series = {"next_token": {}, "validation": {}, "balance": {}}
+  for name, runs in _by_variant(results).items():
+    for kind, key, smooth in (("next_token", "ce_curve", True),
+                              ("validation", "val_curve", False),
+                              ("balance", "balance_curve", True)):
+      if all(run.get(key) for run in runs):
+        band = seed_band([run[key] for run in runs], smooth=smooth)
+        if band is not None:
+          series[kind][name] = band
+  return series
+
+
+def _draw(ax, bands: dict[str, Band], *, marker=None) -> None:
+  for name, band in bands.items():
+    line, = ax.plot(band.steps, band.mean, marker=marker,
+                    label=f"{name} ({band.seeds} seed{'s' * (band.seeds > 1)})")
+    if band.seeds > 1:
+      ax.fill_between(band.steps, band.low, band.high, alpha=0.2,
+                      color=line.get_color(), linewidth=0)
+  ax.set_xscale("log")
+  ax.set_xlabel("step (log scale)")
+  ax.grid(True, which="both", alpha=0.3)
+
+
+def _band_note(results: dict) -> str:
+  n = len(_seeds(results))
+  return ("mean over seeds, band: lowest to highest seed" if n > 1
+          else "one seed")
+
+
+def plot_loss_curves(results: dict, path: str) -> None:
+  """Training next-token loss (smoothed) and validation loss, side by side."""
+  series = plot_series(results)
+  fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+  _draw(train_ax, series["next_token"])
+  train_ax.set_ylabel("next-token loss (nats/token)")
+  train_ax.set_title("training (smoothed; without the MTP term)")
+  _draw(val_ax, series["validation"], marker="o")
+  val_ax.set_ylabel("next-token loss (nats/token)")
+  val_ax.set_title("validation (step 0, untrained, not shown)")
+  for ax in (train_ax, val_ax):
+    ax.legend(fontsize=8)
+  fig.suptitle(f"sweep {results['sweep']['grid']}: next-token loss "
+               f"({_band_note(results)})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_balance(results: dict, path: str) -> None:
+  """Router load balance: max / mean expert load - 1 (0 is even)."""
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  _draw(ax, plot_series(results)["balance"])
+  ax.set_ylabel("max / mean expert load - 1")
+  ax.set_title(f"sweep {results['sweep']['grid']}: router load balance\n"
+               f"(mean over layers, smoothed; {_band_note(results)})",
+               fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _any_task_solved(results: dict) -> bool:
+  return any(score > 0 for run in results["runs"]
+             for scores in run["tasks"].values() for score in scores.values())
+
+
+def plot_context_scores(results: dict, path: str) -> None:
+  sweep = results["sweep"]
+  lengths = [str(n) for n in sweep["eval_lengths"]]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, runs in _by_variant(results).items():
+    per_seed = np.array([[_task_mean(r, n) for n in lengths] for r in runs])
+    xs = [int(n) for n in lengths]
+    line, = ax.plot(xs, per_seed.mean(0), marker="o", label=name)
+    if len(runs) > 1:
+      ax.fill_between(xs, per_seed.min(0), per_seed.max(0), alpha=0.2,
+                      color=line.get_color(), linewidth=0)
+  if sweep["grid"] == "attention":
+    ax.axvline(sweep["window"], color="gray", linestyle="--",
+               label=f"window {sweep['window']}")
+  ax.set_xlabel("context length (tokens)")
+  ax.set_ylabel("exact match (mean over tasks)")
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_title(f"sweep {sweep['grid']}: long-context tasks\n"
+               f"({_band_note(results)})", fontsize=10)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def markdown(results: dict) -> str:
@@ -47,8 +213,10 @@ def markdown(results: dict) -> str:
   lengths = [str(n) for n in sweep["eval_lengths"]]
   tokens = next(iter(runs.values()))[0]["tokens"]
   out = [f"# Sweep `{sweep['grid']}`", "",
-         f"{len(results['runs'])} runs; {tokens:,} training tokens per run; "
-         f"seeds {sweep['seeds']}; mean ± std over seeds.", ""]
+         f"{len(results['runs'])} runs of {len(runs)} arms; {tokens:,} "
+         f"training tokens per run; seeds {_seeds(results)}; mean ± std over "
+         "seeds. Losses are next-token cross-entropy on the validation "
+         "split; load balance is max / mean expert load.", ""]
   head = ["variant", "seeds", "val loss (nats)", "val bits/byte", "load CV",
           "load max/mean"] + [f"tasks @{n}" for n in lengths]
   out.append("| " + " | ".join(head) + " |")
@@ -61,6 +229,9 @@ def markdown(results: dict) -> str:
     row += [_pm([_task_mean(r, n) for r in rs]) for n in lengths]
     out.append("| " + " | ".join(row) + " |")
   out += ["", "## Accuracy per task (mean over seeds)", ""]
+  if not _any_task_solved(results):
+    out += ["Every run scored 0 on every task at every length (so no "
+            "context_scores.png).", ""]
   tasks = list(next(iter(runs.values()))[0]["tasks"])
   head = ["variant", "task"] + [f"@{n}" for n in lengths]
   out.append("| " + " | ".join(head) + " |")
@@ -73,50 +244,24 @@ def markdown(results: dict) -> str:
   return "\n".join(out) + "\n"
 
 
-def plot_loss_curves(results: dict, path: str) -> None:
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name, rs in _by_variant(results).items():
-    steps = [s for s, _ in rs[0]["loss_curve"]]
-    curves = [[l for _, l in r["loss_curve"]][:len(steps)] for r in rs]
-    n = min(len(c) for c in curves)
-    ax.plot(steps[:n], np.mean([c[:n] for c in curves], axis=0), label=name)
-  ax.set_xlabel("step")
-  ax.set_ylabel("training loss")
-  ax.set_title(f"sweep {results['sweep']['grid']}: loss (mean over seeds)")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def plot_context_scores(results: dict, path: str) -> None:
-  sweep = results["sweep"]
-  lengths = [str(n) for n in sweep["eval_lengths"]]
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name, rs in _by_variant(results).items():
-    means = [np.mean([_task_mean(r, n) for r in rs]) for n in lengths]
-    ax.plot([int(n) for n in lengths], means, marker="o", label=name)
-  if sweep["grid"] == "attention":
-    ax.axvline(sweep["window"], color="gray", linestyle="--",
-               label=f"window {sweep['window']}")
-  ax.set_xlabel("context length (tokens)")
-  ax.set_ylabel("exact match (mean over tasks)")
-  ax.set_ylim(-0.02, 1.02)
-  ax.set_title(f"sweep {sweep['grid']}: long-context tasks")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
 def write_report(results: dict, out_dir: str) -> dict[str, str]:
-  """Write report.md and the two plots into `out_dir`; returns their paths."""
+  """Write report.md and the plots that have data into `out_dir`; returns
+  {name: path} of what was written (a plot without data is removed, so an
+  old one never passes for this report's)."""
   os.makedirs(out_dir, exist_ok=True)
-  paths = {"report": os.path.join(out_dir, "report.md"),
-           "loss_curves": os.path.join(out_dir, "loss_curves.png"),
-           "context_scores": os.path.join(out_dir, "context_scores.png")}
+  paths = {name: os.path.join(out_dir, f) for name, f in FILES.items()}
   with open(paths["report"], "w", encoding="utf-8") as f:
     f.write(markdown(results))
   plot_loss_curves(results, paths["loss_curves"])
-  plot_context_scores(results, paths["context_scores"])
+  plots = {"router_balance": (plot_balance,
+                              bool(plot_series(results)["balance"])),
+           "context_scores": (plot_context_scores,
+                              _any_task_solved(results))}
+  for name, (plot, has_data) in plots.items():
+    if has_data:
+      plot(results, paths[name])
+    else:
+      if os.path.exists(paths[name]):
+        os.remove(paths[name])
+      del paths[name]
   return paths

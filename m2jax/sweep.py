@@ -15,8 +15,11 @@ Layout of a sweep directory:
   data/{train,validation}.jsonl   training data (synthetic task documents)
   runs/<variant>/seed<k>/         one pretrain workdir per run
   runs/<variant>/seed<k>/result.json   written when the run is finished
-  results.json                    all finished runs (what report.py reads)
-A rerun skips finished runs and resumes a killed one from its checkpoint.
+  results.json                    every finished run of the directory, of
+                                  whichever invocation (what report.py reads)
+A rerun skips finished runs and resumes a killed (or Ctrl-C'd) one from its
+checkpoint; `--variants` and `--seeds` choose what to run now, never what
+the results and the report cover.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import os
 
 import numpy as np
 
-from m2jax.config import ConfigError, ModelConfig, config_to_dict
+from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
+                          config_to_dict)
 from m2jax.data import DataConfig, make_tokenizer
+from m2jax.errors import MissingPathError
 from m2jax.eval import scoring, tasks as tasks_lib
 from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import write_json
@@ -197,6 +202,11 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
       "ce_curve": [[l["step"], l["ce"]] for l in train_lines],
       "val_curve": [[l["step"], l["val_loss"]] for l in lines
                     if "val_loss" in l],
+      # Router balance over steps: max / mean expert load - 1 (0: even),
+      # the mean over layers of each logged step.
+      "balance_curve": [[l["step"], l["router/load_max_over_mean"] - 1.0]
+                        for l in train_lines
+                        if "router/load_max_over_mean" in l],
       "val_loss": summary["val_loss"], "val_bpb": summary["val_bpb"],
       "tasks": {t: {str(n): a for n, a in s.items()} for t, s in scores.items()},
       "routing": {"load_cv": mean_of("router/load_cv"),
@@ -208,7 +218,9 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
 
 def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
               progress: bool = True, log=print) -> dict:
-  """Run every (variant, seed) of the grid; returns and writes results.json."""
+  """Run every (variant, seed) of the grid (or of `cfg.variants`); returns
+  and writes results.json, which holds every finished run of the sweep
+  directory (arms and seeds of earlier invocations included)."""
   variants = make_grid(cfg.grid, base, window=cfg.window)
   if cfg.variants:
     names = [v.name for v in variants]
@@ -216,30 +228,81 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
     if unknown:
       raise ConfigError(f"SweepConfig.variants: {unknown} not in the "
                         f"{cfg.grid} grid {names}")
-    variants = [v for v in variants if v.name in cfg.variants]
   os.makedirs(sweep_dir, exist_ok=True)
   _check_same_sweep(sweep_dir, base, cfg)
-  results = {"sweep": config_to_dict(cfg), "base": config_to_dict(base),
-             "variants": [v.name for v in variants], "runs": []}
-  planned = [(v, seed) for v in variants for seed in cfg.seeds]
+  planned = [(v, seed) for v in variants
+             if not cfg.variants or v.name in cfg.variants
+             for seed in cfg.seeds]
 
   def write_finished():
-    # Every finished run of the plan, in plan order: a killed invocation
-    # still lists the runs earlier invocations finished.
-    results["runs"] = [r for r in (_finished_run(sweep_dir, v.name, seed)
-                                   for v, seed in planned) if r is not None]
+    # Written after every run: a killed invocation still lists the runs
+    # earlier invocations (and other --variants) finished.
+    results = collect_results(sweep_dir, base, cfg)
     write_json(os.path.join(sweep_dir, "results.json"), results)
+    return results
 
   write_finished()
-  for variant, seed in planned:
-    log(f"[sweep {cfg.grid}] {variant.name} seed {seed}")
+  for i, (variant, seed) in enumerate(planned, start=1):
+    where = (f"[sweep {cfg.grid}] run {i}/{len(planned)}: {variant.name} "
+             f"seed {seed}")
+    if _finished_run(sweep_dir, variant.name, seed) is not None:
+      log(f"{where}: skipped (done)")
+      continue
+    log(where)
     run_one(base, variant, seed, cfg, sweep_dir, progress=progress)
     write_finished()
+  return write_finished()
+
+
+def collect_results(sweep_dir: str, base: ModelConfig,
+                    cfg: SweepConfig) -> dict:
+  """results.json's content: every finished run in `sweep_dir` of an arm of
+  the grid, in grid order and by seed, whichever invocation ran it."""
+  runs = []
+  for variant in make_grid(cfg.grid, base, window=cfg.window):
+    runs += [r for r in (_finished_run(sweep_dir, variant.name, seed)
+                         for seed in _seeds_on_disk(sweep_dir, variant.name))
+             if r is not None]
+  return {"sweep": config_to_dict(cfg), "base": config_to_dict(base),
+          "variants": list(dict.fromkeys(r["variant"] for r in runs)),
+          "seeds": sorted({r["seed"] for r in runs}), "runs": runs}
+
+
+def load_results(sweep_dir: str) -> dict:
+  """The finished runs of the sweep in `sweep_dir`, read again from its run
+  directories (so a report covers every arm, whichever invocation ran it);
+  a directory holding only a results.json (e.g. copied without its runs)
+  gives that file."""
+  saved_path = os.path.join(sweep_dir, "sweep.json")
+  results_path = os.path.join(sweep_dir, "results.json")
+  if os.path.exists(saved_path):
+    with open(saved_path, encoding="utf-8") as f:
+      saved = json.load(f)
+    results = collect_results(
+        sweep_dir, config_from_dict(ModelConfig, saved["base"]),
+        config_from_dict(SweepConfig, saved["sweep"]))
+  elif os.path.exists(results_path):
+    with open(results_path, encoding="utf-8") as f:
+      results = json.load(f)
+  else:
+    raise MissingPathError(f"no sweep in {sweep_dir} (no sweep.json or "
+                           "results.json): run experiments.sweep first")
+  if not results["runs"]:
+    raise MissingPathError(f"the sweep in {sweep_dir} has no finished run "
+                           "yet")
   return results
 
 
 def _run_dir(sweep_dir: str, variant: str, seed: int) -> str:
   return os.path.join(sweep_dir, "runs", variant, f"seed{seed}")
+
+
+def _seeds_on_disk(sweep_dir: str, variant: str) -> list[int]:
+  """The seeds of `variant` with a run directory (finished or not)."""
+  variant_dir = os.path.join(sweep_dir, "runs", variant)
+  names = os.listdir(variant_dir) if os.path.isdir(variant_dir) else []
+  return sorted(int(name[4:]) for name in names
+                if name.startswith("seed") and name[4:].isdigit())
 
 
 def _finished_run(sweep_dir: str, variant: str, seed: int) -> dict | None:

@@ -188,7 +188,7 @@ def check_mtp_growth(variables, tmp, workdir, result):
   params = out["state"].params
   main = [k for k in params if not k.startswith("mtp_")]
   result["mtp_growth"] = {
-      "step": int(out["state"].step), "loss": out["loss"],
+      "step": int(out["state"].step), "loss": out["train_total_loss"],
       "main_change": _max_diff([grown["params"][k] for k in main],
                                [params[k] for k in main]),
       "mtp_change": _max_diff(grown["params"]["mtp_1"], params["mtp_1"]),

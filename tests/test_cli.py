@@ -94,8 +94,10 @@ def test_resume_with_another_config_is_one_line_and_moves_nothing(tmp_path):
   proc = _pretrain(tmp_path, f"--data={corpus}", "--resume",
                    *[f"--override={o}" for o in SMALL],
                    "--override=hidden_size=64")
-  _assert_one_line_error(proc, "ModelConfig.hidden_size:", "has 32 but this "
-                         "run has 64")
+  # The run's configs come from the checkpoint (no config.json here); the
+  # explicit --override contradicts them.
+  _assert_one_line_error(proc, "ModelConfig.hidden_size: the run has 32 but "
+                         "--override=hidden_size=64 gives 64")
   assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
   assert not (tmp_path / "run" / "checkpoints_corrupt").exists()
 

@@ -1,4 +1,5 @@
-"""Resuming a run: a user's mistake moves nothing, damage is quarantined."""
+"""Resuming a run: a user's mistake moves nothing, damage is quarantined;
+the run's saved configs are read back, and each step is logged once."""
 
 import dataclasses
 import os
@@ -8,11 +9,14 @@ import shutil
 import pytest
 
 from m2jax import config as config_lib
-from m2jax.config import ConfigError
+from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import DataConfig
+from m2jax.errors import MissingPathError
+from m2jax.train import resume
 from m2jax.train.checkpoint import ResumeError
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
+from m2jax.train.metrics import MetricsWriter, read_metrics
 
 SMALL = ["num_layers=1", "hidden_size=32", "num_heads=4", "num_kv_heads=2",
          "head_dim=8", "rotary_dim=4", "num_experts=4",
@@ -131,3 +135,73 @@ def test_no_loadable_step_is_refused_not_restarted(run):
   # Only quarantined steps left: refused again, never a fresh start at 0.
   with pytest.raises(ResumeError, match=r"checkpoints_corrupt holds 2"):
     _resume(run)
+
+
+def test_resumed_config_keeps_the_run_and_refuses_contradictions():
+  saved = config_to_dict(MCFG)
+  # Nothing given: the run's config (how a step runs is never saved).
+  assert resume.resumed_config(ModelConfig, saved, {}) == MCFG
+  same = {"hidden_size": resume.Given(32, "--override=hidden_size=32")}
+  assert resume.resumed_config(ModelConfig, saved, same) == MCFG
+  preset = {f: resume.Given(v, "--preset=m2_small")
+            for f, v in config_to_dict(config_lib.M2_SMALL).items()
+            if f in ("hidden_size", "num_layers", "rope_theta")}
+  with pytest.raises(ConfigError, match=(
+      r"^ModelConfig\.hidden_size: the run has 32 but --preset=m2_small "
+      r"gives 1024 \(2 more fields differ: num_layers, rope_theta\)")):
+    resume.resumed_config(ModelConfig, saved, preset)
+  # Steps and cadence may change on resume; the optimisation may not.
+  train = config_to_dict(TCFG)
+  more = resume.resumed_config(
+      TrainConfig, train, {"steps": resume.Given(8, "--steps=8"),
+                           "log_every": resume.Given(1, "--log_every=1")},
+      may_change=resume.RESUMABLE_TRAIN_FIELDS)
+  assert more == TCFG.replace(steps=8, log_every=1)
+  with pytest.raises(ConfigError, match=r"TrainConfig\.learning_rate: the run "
+                     r"has 0\.003 but --learning_rate=0\.01 gives 0\.01"):
+    resume.resumed_config(
+        TrainConfig, train,
+        {"learning_rate": resume.Given(0.01, "--learning_rate=0.01")},
+        may_change=resume.RESUMABLE_TRAIN_FIELDS)
+
+
+def test_resume_refuses_a_missing_or_mistyped_run(trained, tmp_path):
+  dcfg, workdir = trained
+  saved = resume.read_run_configs(workdir)
+  assert saved["model"] == config_to_dict(MCFG)
+  assert saved["data"] == config_to_dict(dcfg)
+  with pytest.raises(MissingPathError, match=(
+      r"cannot resume .*/rnu: the directory does not exist \(did you mean "
+      r".*/run\?\)")):
+    resume.read_run_configs(os.path.join(os.path.dirname(workdir), "rnu"))
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(MissingPathError, match="holds no run"):
+    resume.read_run_configs(str(empty))
+  # Without config.json the newest checkpoint's configs are the run's.
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  os.remove(os.path.join(copy, "config.json"))
+  assert resume.read_run_configs(copy) == saved
+
+
+def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
+  # A run logged steps 1..6 (an eval line at 4) but its newest checkpoint
+  # is step 4, and a kill cut its last line short.
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in range(1, 7):
+    writer.write(step, {"loss": 1.0 / step})
+    if step == 4:
+      writer.write(step, {"val_loss": 0.5})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "lo')
+  resumed = MetricsWriter(str(tmp_path), resume_step=4, tensorboard=False)
+  for step in (5, 6, 7):
+    resumed.write(step, {"loss": 2.0 / step})
+  resumed.close()
+  lines = read_metrics(str(tmp_path))
+  assert [(l["step"], "val_loss" in l) for l in lines] == [
+      (1, False), (2, False), (3, False), (4, False), (4, True), (5, False),
+      (6, False), (7, False)]
+  assert lines[-1]["loss"] == 2.0 / 7

@@ -4,12 +4,18 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from m2jax import config as config_lib
 from m2jax import report, sweep
 from m2jax.config import ConfigError
+from m2jax.eval import recall
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BASE = config_lib.apply_overrides(config_lib.TINY, [
     "num_layers=2", "hidden_size=32", "num_heads=4", "num_kv_heads=2",
@@ -72,14 +78,29 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="base ModelConfig: num_layers"):
     sweep.run_sweep(BASE.replace(num_layers=1), cfg, d, log=lambda _: None)
 
-  paths = report.write_report(json.load(open(os.path.join(d, "results.json"))),
-                              d)
+  # Another invocation for one arm only: its runs are done (skipped, and
+  # the progress says so), and results.json and the report still cover
+  # every finished arm of the directory.
+  logged = []
+  sweep.run_sweep(BASE, dataclasses.replace(cfg, variants=("softmax_aux",)),
+                  d, progress=False, log=logged.append)
+  assert logged == [
+      "[sweep gating] run 1/2: softmax_aux seed 0: skipped (done)",
+      "[sweep gating] run 2/2: softmax_aux seed 1: skipped (done)"]
+  on_disk = json.load(open(os.path.join(d, "results.json")))
+  assert on_disk["runs"] == results["runs"]
+  assert on_disk["variants"] == ["sigmoid_bias", "softmax_aux"]
+  assert sweep.load_results(d)["runs"] == results["runs"]  # experiments.report
+
+  paths = report.write_report(on_disk, d)
   text = open(paths["report"]).read()
   rows = [l for l in text.splitlines() if l.startswith("| sigmoid_bias")
           or l.startswith("| softmax_aux")]
   assert len(rows) == 2 + 2 * len(cfg.eval_tasks)
   assert "±" in rows[0]  # mean ± std over the two seeds
-  for key in ("loss_curves", "context_scores"):
+  # The gating grid gets the router balance plot, logged at every step.
+  assert len(results["runs"][0]["balance_curve"]) == 4
+  for key in ("loss_curves", "router_balance"):
     with open(paths[key], "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -101,3 +122,86 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   on_disk = json.load(open(os.path.join(d, "results.json")))
   assert [(r["variant"], r["seed"]) for r in on_disk["runs"]] == [
       ("sigmoid_bias", 0), ("softmax_aux", 0)]
+
+
+def _run(variant, seed, *, ce, mtp=0.0, balance=True, score=0.0):
+  """A result.json of a run whose curves are flat at `ce` (its total loss
+  adds `mtp`); validation at steps 0 (untrained), 10 and 20."""
+  steps = range(2, 22, 2)
+  run = {"variant": variant, "seed": seed, "tokens": 1000,
+         "loss_curve": [[s, ce + mtp] for s in steps],
+         "ce_curve": [[s, ce] for s in steps],
+         "val_curve": [[0, 5.5], [10, ce + 0.1], [20, ce]],
+         "val_loss": ce, "val_bpb": ce * 1.4,
+         "tasks": {"niah_single": {"128": score}},
+         "routing": {"load_cv": 0.1, "load_max_over_mean": 1.2}}
+  if balance:
+    run["balance_curve"] = [[s, 0.2 + seed] for s in steps]
+  return run
+
+
+def _results(*runs, grid="mtp"):
+  return {"sweep": {"grid": grid, "eval_lengths": [128], "window": 64},
+          "variants": ["mtp_off", "mtp_1"], "runs": list(runs)}
+
+
+def test_plots_show_next_token_and_validation_loss_with_seed_bands(tmp_path):
+  # mtp_1's total loss is 1.5 nats above its next-token loss: the plot must
+  # not show that as mtp_1 being worse.
+  results = _results(_run("mtp_off", 0, ce=2.0), _run("mtp_off", 1, ce=2.4),
+                     _run("mtp_1", 0, ce=2.1, mtp=1.5),
+                     _run("mtp_1", 1, ce=2.3, mtp=1.5, balance=False))
+  series = report.plot_series(results)
+  train = series["next_token"]
+  np.testing.assert_allclose(train["mtp_off"].mean, 2.2)
+  np.testing.assert_allclose(train["mtp_1"].mean, 2.2)
+  np.testing.assert_allclose(train["mtp_1"].low, 2.1)
+  np.testing.assert_allclose(train["mtp_1"].high, 2.3)
+  assert list(train["mtp_1"].steps) == list(range(2, 22, 2))
+  val = series["validation"]["mtp_off"]
+  assert list(val.steps) == [10, 20]  # step 0 (untrained) left out
+  np.testing.assert_allclose(val.mean, [2.3, 2.2])
+  np.testing.assert_allclose([val.low, val.high], [[2.1, 2.0], [2.5, 2.4]])
+  assert val.seeds == 2
+  # Balance only for arms whose every run logged it.
+  assert list(series["balance"]) == ["mtp_off"]
+  np.testing.assert_allclose(series["balance"]["mtp_off"].low, 0.2)
+  np.testing.assert_allclose(series["balance"]["mtp_off"].high, 1.2)
+
+  # Smoothing averages within +-0.05 decades of steps, so it is even on a
+  # log axis: close steps are averaged, steps a decade apart are not.
+  np.testing.assert_allclose(report.smooth_log([1, 10, 100], [1., 2., 3.]),
+                             [1., 2., 3.])
+  np.testing.assert_allclose(
+      report.smooth_log([100, 105, 1000, 1100], [1., 3., 5., 7.]),
+      [2., 2., 6., 6.])
+
+  # Every run scored 0: no flat context plot, and the report says why; an
+  # old one in the directory is removed, never passed off as this report's.
+  (tmp_path / "context_scores.png").write_bytes(b"old")
+  paths = report.write_report(results, str(tmp_path))
+  assert set(paths) == {"report", "loss_curves", "router_balance"}
+  assert not (tmp_path / "context_scores.png").exists()
+  text = open(paths["report"]).read()
+  assert "Every run scored 0" in text and "seeds [0, 1]" in text
+  solved = _results(_run("mtp_off", 0, ce=2.0, balance=False, score=0.5),
+                    grid="attention")
+  paths = report.write_report(solved, str(tmp_path / "solved"))
+  assert set(paths) == {"report", "loss_curves", "context_scores"}
+
+
+def test_recall_check_verdict_and_refused_pairs():
+  # Chance is 0.1; a pass needs chance + max(margin, 3 standard errors).
+  assert recall.recall_verdict(0.10, 256, 0.1)[0] is False
+  passed, line = recall.recall_verdict(0.30, 256, 0.1)
+  assert passed and line.startswith("PASS: held-out recall accuracy 0.300")
+  assert "0.200" in line  # 0.1 + margin 0.1 (3 SE over 256 digits: 0.056)
+  # Over 8 digits 3 standard errors are 0.318: 0.3 is no evidence.
+  passed, line = recall.recall_verdict(0.30, 8, 0.1)
+  assert not passed and line.startswith("FAIL") and "0.418" in line
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.recall_check", "--pairs=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      "error: flag --pairs=0: 0 is not an integer in the range [1, 676]"]

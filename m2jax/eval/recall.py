@@ -21,6 +21,14 @@ from m2jax.data import single_document_batch
 
 # Every row starts with id 1: a control byte the key/value text never holds.
 _COLON, _SPACE, _BOS = ord(":"), ord(" "), 1
+# Value digits are uniform over 0-9: the accuracy of a model that cannot
+# retrieve and guesses.
+CHANCE_ACCURACY = 0.1
+# Keys are two lowercase letters, distinct within a sequence.
+MAX_PAIRS = 26 * 26
+# A pass must also clear chance by this many standard errors of the
+# accuracy a guesser gets on the same number of digits (noise).
+PASS_STANDARD_ERRORS = 3.0
 
 
 def recall_batch(rng: np.random.Generator, batch_size: int, pairs: int
@@ -64,3 +72,24 @@ def recall_accuracy(config: ModelConfig, variables, batch: dict,
   # Position t predicts token t + 1.
   hit_BxTm1 = pred_BxT[:, :-1] == batch["tokens"][:, 1:]
   return float(hit_BxTm1[mask_BxT[:, 1:]].mean())
+
+
+def recall_verdict(accuracy: float, digits: int, margin: float
+                   ) -> tuple[bool, str]:
+  """(passed, one line saying why) for a held-out accuracy on `digits`
+  queried value digits.
+
+  Passes when the accuracy is at least chance (0.1) plus the larger of
+  `margin` and PASS_STANDARD_ERRORS standard errors of a guesser's accuracy
+  on as many digits, so a pass is retrieval, not a lucky draw.
+  """
+  noise = PASS_STANDARD_ERRORS * np.sqrt(
+      CHANCE_ACCURACY * (1 - CHANCE_ACCURACY) / max(digits, 1))
+  threshold = CHANCE_ACCURACY + max(margin, noise)
+  passed = accuracy >= threshold
+  return passed, (
+      f"{'PASS' if passed else 'FAIL'}: held-out recall accuracy "
+      f"{accuracy:.3f} {'>=' if passed else '<'} {threshold:.3f} = chance "
+      f"{CHANCE_ACCURACY:.2f} + max(margin {margin:.2f}, "
+      f"{PASS_STANDARD_ERRORS:g} standard errors over {digits} digits "
+      f"{noise:.3f})")

@@ -226,6 +226,14 @@ class Checkpointer:
         data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     return restored["state"], restored["data"], restored["meta"]
 
+  def newest_meta(self) -> dict | None:
+    """The meta (configs) of the newest step whose meta reads, or None."""
+    for step in reversed(self.steps()):
+      meta = self._read_meta(step)
+      if meta is not None:
+        return meta
+    return None
+
   def _read_meta(self, step: int) -> dict | None:
     """The step's meta (configs), or None when it does not read."""
     try:

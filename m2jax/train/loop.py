@@ -9,7 +9,11 @@ lives in WORKDIR:
   tensorboard/       the same scalars for TensorBoard
   sample.txt         a greedy sample from the final model
 Resuming restores the newest complete checkpoint (state and data position)
-and continues exactly: losses and parameters equal an uninterrupted run.
+and continues exactly: losses and parameters equal an uninterrupted run,
+and metrics.jsonl holds each step once. SIGINT (Ctrl-C) or SIGTERM stops
+the run after the step in flight, with a checkpoint of that step
+(m2jax.train.interrupt); experiments.pretrain --resume reads WORKDIR's
+configs (m2jax.train.resume).
 
 The data is a DataConfig (pretraining's grain pipelines, context stages
 included) or a DataSource (m2jax/data/source.py) that brings its own
@@ -44,6 +48,7 @@ from m2jax.data.source import DataSource
 from m2jax.errors import ExistingPathError
 from m2jax.infer import sample
 from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import interrupt
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -154,6 +159,26 @@ def _place_state(state, mcfg: ModelConfig, tcfg: TrainConfig, mesh=None):
                         state_lib.state_shardings(mcfg, tcfg, mesh)), step
 
 
+def loss_terms(mcfg: ModelConfig, tcfg: TrainConfig) -> str:
+  """What the total training loss ("loss" in metrics.jsonl) adds up, e.g.
+  "next-token+MTP"; the next-token loss alone is "ce" (m2jax.train.losses)."""
+  aux = mcfg.aux_loss_coef if tcfg.aux_loss_coef is None else tcfg.aux_loss_coef
+  terms = [name for name, on in (("next-token", not tcfg.mtp_only),
+                                 ("MTP", tcfg.mtp_depth > 0),
+                                 ("balance", aux > 0),
+                                 ("z-loss", tcfg.z_loss_coef > 0)) if on]
+  return "+".join(terms)
+
+
+def _postfix(metrics, total_terms: str, tokens_per_sec: float) -> str:
+  """The progress bar's loss, labelled: the next-token loss, and the total
+  trained on when it holds more terms."""
+  text = f"next-token loss {float(metrics['ce']):.3f}"
+  if total_terms != "next-token":
+    text += f", total ({total_terms}) {float(metrics['loss']):.3f}"
+  return f"{text}, {tokens_per_sec:,.0f} tok/s"
+
+
 class _NoWriter:
   """What processes other than 0 log to."""
 
@@ -185,6 +210,10 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   (kernels, the expert exchange) is `model_config.settings`.
   `data_config` may be a DataSource: its batches, tokenizer (saved with the
   run) and config (saved and checked as the run's data config) are used.
+
+  SIGINT or SIGTERM during the loop finishes the step in flight, saves its
+  checkpoint, closes the writers and raises interrupt.TrainingInterrupted
+  (a KeyboardInterrupt); resuming continues from that step.
   """
   mcfg, tcfg, dcfg = model_config, train_config, data_config
   primary = jax.process_index() == 0
@@ -253,67 +282,82 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   summary = {}
   bar = tqdm(total=tcfg.steps, initial=start, disable=not (progress and primary),
              desc="pretrain", unit="step", dynamic_ncols=True)
-  # Both closed on every way out: an unclosed tensorboardX writer prints a
-  # thread traceback at interpreter exit under the real error, an unclosed
-  # bar leaves the error on the bar's line.
+  total_terms = loss_terms(mcfg, tcfg)
+  flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+  peak = peak_flops()
+  end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
+
+  def eval_and_log(step):
+    ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
+    writer.write(step, ev)
+    summary.update(ev)
+    bar.write(f"step {step}: validation next-token loss {ev['val_loss']:.4f} "
+              f"nats/token, {ev['val_bpb']:.4f} bits/byte")
+
+  # From here a signal only asks to stop after the step in flight (see
+  # m2jax.train.interrupt): the checkpoint of that step is written first.
+  # The writer and the bar close on every way out: an unclosed tensorboardX
+  # writer prints a thread traceback at exit under the real error, an
+  # unclosed bar leaves the error on the bar's line.
+  done, stopping = start, False
   try:
-    flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
-    peak = peak_flops()
-    end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
-
-    def eval_and_log(step):
-      ev = evaluate(eval_fn, state, sdcfg, tokenizer, tcfg.eval_batches, mesh)
-      writer.write(step, ev)
-      summary.update(ev)
-      bar.write(f"step {step}: val_loss {ev['val_loss']:.4f} nats/token, "
-                f"{ev['val_bpb']:.4f} bits/byte")
-
-    if start == 0 and end > 0:
-      eval_and_log(0)  # where training starts from (about ln V untrained)
-    tick, tick_tokens = time.perf_counter(), 0
-    for step in range(start, end):
-      if _stage_at(stages, step) != stage:
-        ended = {"stage": stage, "iterator": train_it.get_state()}
-        train_it.close()
-        stage = _stage_at(stages, step)
-        sdcfg = stages[stage][1]
-        train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
-        flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
-        bar.write(f"step {step}: context stage {stage}, seq_len "
-                  f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
-      batch = next(train_it)
-      state, metrics = train_fn(state, _device_batch(batch, mesh,
-                                                     sdcfg.batch_size))
-      tick_tokens += sdcfg.batch_size * sdcfg.seq_len
-      done = step + 1
-      if done % tcfg.log_every == 0 or done == end:
-        metrics = jax.device_get(metrics)
-        elapsed = time.perf_counter() - tick
-        tps = tick_tokens / max(elapsed, 1e-9)
-        metrics["tokens_per_sec"] = tps
-        metrics["seq_len"] = sdcfg.seq_len
-        if peak:
-          metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
-        writer.write(done, metrics)
-        summary["loss"] = float(metrics["loss"])
-        summary["metrics"] = {k: float(v) for k, v in metrics.items()}
-        if should_stop is not None and should_stop(done, metrics):
-          end = done
-        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}",
-                        tok_s=f"{tps:,.0f}")
-        tick, tick_tokens = time.perf_counter(), 0
-      if done % tcfg.eval_every == 0 or done == tcfg.steps:
-        eval_and_log(done)
-      if done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end):
-        checkpointer.save(done, state, {"stage": stage,
-                                        "iterator": train_it.get_state()}, meta)
-      bar.update(1)
-      if done >= end:
-        break
+    with interrupt.StopOnSignal() as stop:
+      if start == 0 and end > 0:
+        eval_and_log(0)  # where training starts from (about ln V untrained)
+      tick, tick_tokens = time.perf_counter(), 0
+      for step in range(start, end):
+        if _stage_at(stages, step) != stage:
+          ended = {"stage": stage, "iterator": train_it.get_state()}
+          train_it.close()
+          stage = _stage_at(stages, step)
+          sdcfg = stages[stage][1]
+          train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
+          flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+          bar.write(f"step {step}: context stage {stage}, seq_len "
+                    f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
+        batch = next(train_it)
+        state, metrics = train_fn(state, _device_batch(batch, mesh,
+                                                       sdcfg.batch_size))
+        tick_tokens += sdcfg.batch_size * sdcfg.seq_len
+        done = step + 1
+        if done % tcfg.log_every == 0 or done == end:
+          metrics = jax.device_get(metrics)
+          elapsed = time.perf_counter() - tick
+          tps = tick_tokens / max(elapsed, 1e-9)
+          metrics["tokens_per_sec"] = tps
+          metrics["seq_len"] = sdcfg.seq_len
+          if peak:
+            metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+          writer.write(done, metrics)
+          summary["train_next_token_loss"] = float(metrics["ce"])
+          summary["train_total_loss"] = float(metrics["loss"])
+          summary["train_total_loss_terms"] = total_terms
+          summary["metrics"] = {k: float(v) for k, v in metrics.items()}
+          if should_stop is not None and should_stop(done, metrics):
+            end = done
+          bar.set_postfix_str(_postfix(metrics, total_terms, tps))
+          tick, tick_tokens = time.perf_counter(), 0
+        if done % tcfg.eval_every == 0 or done == tcfg.steps:
+          eval_and_log(done)
+        stopping = stop.requested()
+        if (done % tcfg.checkpoint_every == 0 or done in (tcfg.steps, end)
+            or stopping):
+          checkpointer.save(done, state, {"stage": stage,
+                                          "iterator": train_it.get_state()},
+                            meta)
+        bar.update(1)
+        if done >= end or stopping:
+          break
+      checkpointer.close()
   finally:
     bar.close()
     writer.close()
-  checkpointer.close()
+  # A signal after the last check came while the run's end was saved; other
+  # processes may not know of it, so only a single process stops for it.
+  if stopping or (stop.signum is not None and jax.process_count() == 1):
+    raise interrupt.TrainingInterrupted(
+        stop.signum, done, os.path.join(checkpointer.directory, str(done)))
+
 
   summary["step"] = int(state.step)
   summary["state"] = state

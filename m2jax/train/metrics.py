@@ -2,7 +2,9 @@
 
 metrics.jsonl holds one JSON object per logged step ({"step", "loss", ...})
 and eval lines ({"step", "val_loss", "val_bpb"}). On resume the lines past
-the restored step are dropped, so the file reads as one uninterrupted run.
+the restored step are dropped, so the file reads as one uninterrupted run:
+no step is logged twice, whether the run was killed between a logged step
+and its checkpoint, stopped by a signal, or fell back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -43,9 +45,17 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def _truncate_after(self, step: int) -> None:
+    """Keep the lines up to `step`, the restored checkpoint's: the steps
+    after it are trained (and logged) again. A line that does not parse is
+    the last one, cut by a kill mid-write: dropped too."""
+    keep = []
     with open(self.path, encoding="utf-8") as f:
-      keep = [line for line in f
-              if line.strip() and json.loads(line)["step"] <= step]
+      for line in f:
+        try:
+          if json.loads(line)["step"] <= step:
+            keep.append(line.rstrip("\n") + "\n")
+        except ValueError:
+          continue
     with open(self.path, "w", encoding="utf-8") as f:
       f.writelines(keep)
 
