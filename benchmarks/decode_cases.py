@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks import profile as profile_lib
 from m2jax import params as params_lib
 from m2jax.config import ModelConfig
 from m2jax.infer.engine import Engine, EngineConfig
@@ -48,11 +49,13 @@ def floor_bytes(cfg: ModelConfig, batch: int, context: int) -> dict:
 
 def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
                 new_tokens: int, page_size: int = 64, mtp_draft: int = 0,
-                decode_steps: int = 1, seed: int = 0, prompts=None) -> dict:
+                decode_steps: int = 1, seed: int = 0, prompts=None,
+                profile: bool = False) -> dict:
   """Greedy decode of `prompts` (default: `batch` random ones), at most
   `batch` at a time: the time of one decode step (a token for every row),
   from the engine steps after the first few that admit no request
-  (compilation and prefill excluded)."""
+  (compilation and prefill excluded). `profile`: one warm decode call is
+  traced instead (benchmarks.profile: device time per XLA op), not timed."""
   rng = np.random.default_rng(seed)
   prompts = prompts or [list(rng.integers(3, cfg.vocab_size, prompt))
                         for _ in range(batch)]
@@ -66,10 +69,13 @@ def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
   t0 = time.perf_counter()
   eng.step()                     # admits and prefills everything
   prefill_s = time.perf_counter() - t0
-  times, tokens = [], []
+  times, tokens, traced = [], [], None
   while eng.has_work():
     before = eng.stats["decode_tokens"]
     prefills = eng.stats["prefill_calls"]
+    if profile and len(times) == 1 and traced is None:
+      traced = profile_lib.device_op_times(eng.step)
+      continue
     t = time.perf_counter()
     eng.step()
     if eng.stats["prefill_calls"] == prefills:   # decode only
@@ -82,6 +88,8 @@ def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
          "prefill_and_compile_s": prefill_s, "engine_calls": len(times),
          "step_ms": 1e3 * batch / tps, "tokens_per_sec": tps,
          "outputs": [eng.result(r)[0].tokens for r in rids]}
+  if traced is not None:
+    out["profile"] = traced
   st = eng.stats
   if mtp_draft:
     out["acceptance"] = st["accepted"] / max(st["drafted"], 1)

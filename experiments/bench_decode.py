@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks import decode_cases as dc
 from benchmarks import paged_attention_cases as pc
+from benchmarks import profile as profile_lib
 from benchmarks import timing
 from kernels import gmm_mosaic
 from experiments import cli
@@ -198,8 +199,12 @@ _GEN = flags.DEFINE_integer("gen", 128, "new tokens (engine, hf)")
 _ENGINE_TILES = flags.DEFINE_list(
     "engine_gmm_tiles", [""], "grouped-matmul tiles TILE_N.TILE_K.STAGES "
     "of the engine section, one run each ('': picked per shape)")
+_PROFILE = flags.DEFINE_bool(
+    "profile", False, "engine section: trace one warm decode call per batch "
+    "size and print/save device time per XLA op (benchmarks/profile.py)")
 _DECODE_STEPS = flags.DEFINE_integer(
-    "decode_steps", 16, "tokens per compiled engine call (plain decoding)")
+    "decode_steps", 16, "decode steps per compiled engine call: tokens "
+    "(plain decoding) or speculative rounds (spec section, every K)")
 _DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
                             "MTP draft tokens K of the spec section")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "64"],
@@ -252,8 +257,11 @@ def _engine_section(results):
           gmm_tiles=gmm_mosaic.TileConfig(tile_n=n, tile_k=k, stages=stages)))
     r = dc.time_engine(run_cfg, variables, batch=batch, prompt=_PROMPT.value,
                        new_tokens=_GEN.value,
-                       decode_steps=_DECODE_STEPS.value)
+                       decode_steps=_DECODE_STEPS.value,
+                       profile=_PROFILE.value)
     r.pop("outputs")
+    if "profile" in r:
+      profile_lib.print_summary(r["profile"], f"profile B={batch}")
     r["gmm_tiles"] = tiles or "auto"
     floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
     r.update(source=source, floor_bytes=floor,
@@ -277,7 +285,7 @@ def _spec_section(results):
     prompts = _held_out_prompts(cfg)
     r = dc.time_engine(cfg, variables, batch=1, prompt=_PROMPT.value,
                        new_tokens=_GEN.value, mtp_draft=K, prompts=prompts,
-                       decode_steps=1)
+                       decode_steps=_DECODE_STEPS.value)
     outputs = r.pop("outputs")
     if ref is None:
       ref = outputs
@@ -363,8 +371,7 @@ def main(argv):
            "new_tokens", "configs", "splits", "check_context",
            "check_new_tokens", "copy_mib", "reps", "interpret", "workdir",
            "preset", "engine_batches", "engine_gmm_tiles", "prompt", "gen",
-           "decode_steps",
-           "drafts",
+           "decode_steps", "profile", "drafts",
            "hf_batches", "prefix_case", "spec_prompts")
   results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
              "device": getattr(dev, "device_kind", str(dev)),

@@ -339,19 +339,46 @@ def _trained_spec_variables():
   return state_lib.variables_of(state)
 
 
-@pytest.mark.parametrize("K", [1, 3])
-def test_speculative_greedy_equals_plain_greedy(K):
+@pytest.mark.parametrize("K, rounds", [(1, 1), (3, 4)])
+def test_speculative_greedy_equals_plain_greedy(K, rounds):
   v = _trained_spec_variables()
   prompts = [list(_PATTERN[:5]), list(_PATTERN) + [99, 11, 23],
              list(_PATTERN[3:]) * 2]
   want = [_greedy_reference(_SPEC_CFG, v, p, 13) for p in prompts]
-  eng = Engine(_SPEC_CFG, v, dataclasses.replace(ENGINE, mtp_draft=K))
+  eng = Engine(_SPEC_CFG, v, dataclasses.replace(ENGINE, mtp_draft=K,
+                                                 decode_steps=rounds))
   out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=13))
   assert [o[0].tokens for o in out] == want
   st = eng.stats
   assert st["accepted"] > 0.5 * st["drafted"]       # the drafts do work
   assert st["decode_steps"] < 3 * 13
   assert eng.pool.used_pages() == 0
+
+
+def test_speculative_rounds_per_call_change_nothing_but_the_calls():
+  """Sampled speculative decoding with 3 rounds per compiled call gives the
+  tokens and log-probs of one round per call (the same keys), and stops at
+  a stop token inside a round."""
+  v = _trained_spec_variables()
+  prompts = [list(_PATTERN[:5]), list(_PATTERN) + [99, 11]]
+  params = SamplingParams(temperature=1.0, max_tokens=11, seed=3, n=2,
+                          stop_token_ids=(99,))
+  results = []
+  for rounds in (1, 3):
+    eng = Engine(_SPEC_CFG, v, dataclasses.replace(ENGINE, mtp_draft=2,
+                                                   decode_steps=rounds))
+    results.append(eng.generate(prompts, params))
+    assert eng.pool.used_pages() == 0
+  one, three = results
+  assert [[s.tokens for s in r] for r in one] == \
+      [[s.tokens for s in r] for r in three]
+  np.testing.assert_allclose(
+      [lp for r in three for s in r for lp in s.logprobs],
+      [lp for r in one for s in r for lp in s.logprobs], atol=1e-5)
+  for r in three:
+    for s in r:
+      assert 99 not in s.tokens[:-1]
+      assert s.finish_reason == ("stop" if s.tokens[-1] == 99 else "length")
 
 
 def test_sharded_generation_equals_one_device():

@@ -13,8 +13,8 @@ their kv_heads axis the same way, and every compiled step runs under the
 mesh, so a model larger than one device can be served.
 
 One `step` admits waiting requests, prefills them, and advances every running
-sequence by one decode step (one token, or with `mtp_draft` = K one
-speculative round of 1..K+1 tokens). Requests join and leave between steps;
+sequence by `decode_steps` decode steps in one compiled call (a token each,
+or with `mtp_draft` = K a speculative round of 1..K+1 tokens each). Requests join and leave between steps;
 the compiled functions see only bucketed shapes (batch rows, block-table
 width, prompt chunk), so no request triggers a compilation of its own.
 
@@ -72,10 +72,10 @@ class EngineConfig:
   num_pages: pages in the pool (page 0 is reserved), shared by all layers.
   max_batch: sequences decoded together at most (the largest batch bucket).
   prefill_chunk: prompt tokens per prefill call and row.
-  decode_steps: tokens each sequence decodes per compiled call, with no
-    return to the host in between (amortises dispatch and the host sync;
-    requests join and leave every decode_steps tokens). Plain decoding
-    only; a speculative round is one call.
+  decode_steps: decode steps per compiled call, with no return to the host
+    in between (amortises dispatch and the host sync; requests join and
+    leave between calls): tokens per sequence in plain decoding, rounds
+    (1..K+1 tokens each) in speculative decoding.
   mtp_draft: speculative draft tokens per round, K (0: plain decoding).
   prefix_cache: keep full prompt pages for reuse by later requests.
   max_seq_len: longest sequence (prompt + output); None: the model's
@@ -605,37 +605,50 @@ class Engine:
       s.ring = jnp.concatenate([s.ring, hidden[r, C - n_new:]], axis=0)[-W:]
 
   def _speculative_round(self, seqs: list[_Seq]):
-    K = self.config.mtp_draft
-    seqs = self._grow_or_preempt(seqs, K)
-    B, tables, sa = self._batch(seqs, K)
+    """`decode_steps` speculative rounds for every sequence in one compiled
+    call; a row stops early at a stop token or its max_tokens (stop strings
+    are cut on the host afterwards)."""
+    K, R = self.config.mtp_draft, self.config.decode_steps
+    seqs = self._grow_or_preempt(seqs, R * (K + 1))
+    B, tables, sa = self._batch(seqs, R * (K + 1))
     W = 2 * K
     slots = np.zeros(B, np.int32)
     recent = np.zeros((B, W), np.int32)   # tokens at positions m-W+1..m
     m = np.zeros(B, np.int32)             # position of the token to feed
     live = np.zeros(B, bool)
+    budget = np.zeros(B, np.int32)
+    stops = np.full((B, _MAX_STOP_IDS), -1, np.int32)
     for r, s in enumerate(seqs):
       slots[r] = s.slot
       m[r] = len(s.tokens) - 1
       tail = s.tokens[max(0, len(s.tokens) - W):]
       recent[r, W - len(tail):] = tail
       live[r] = True
-    accepted, tokens, logprobs, self.pages, self.mtp_pages, self.ring = (
-        self._call(_spec_fn(self.model_config, K), self.variables,
-                   self.pages, self.mtp_pages, self.ring, slots, recent, m,
-                   tables, live, sa))
-    accepted, tokens, logprobs = (np.asarray(x) for x in (accepted, tokens,
-                                                          logprobs))
+      budget[r] = min(s.params.max_tokens - len(s.generated),
+                      self.max_seq_len - len(s.tokens))
+      ids = s.params.stop_token_ids[:_MAX_STOP_IDS]
+      stops[r, :len(ids)] = ids
+    (out, logprob, count, accepted_BxK, self.pages, self.mtp_pages,
+     self.ring) = self._call(
+         _spec_fn(self.model_config, K, R), self.variables, self.pages,
+         self.mtp_pages, self.ring, slots, recent, m, tables, live, budget,
+         stops, sa)
+    out, logprob, count, accepted_BxK = (
+        np.asarray(x) for x in (out, logprob, count, accepted_BxK))
+    n = len(seqs)
     for r, s in enumerate(seqs):
-      j = int(accepted[r])
-      s.computed = len(s.tokens) + j
-      self._emit(s, [int(t) for t in tokens[r, :j + 1]],
-                 [float(x) for x in logprobs[r, :j + 1]])
-    self.stats["decode_steps"] += 1
-    self.stats["decode_tokens"] += int(accepted[:len(seqs)].sum()) + len(seqs)
-    self.stats["drafted"] += K * len(seqs)
-    self.stats["accepted"] += int(accepted[:len(seqs)].sum())
+      c = int(count[r])
+      s.computed = len(s.tokens) + c - 1
+      self._emit(s, [int(t) for t in out[r, :c]],
+                 [float(x) for x in logprob[r, :c]])
+    # A round emits its accepted drafts and one token of the main model.
+    accepted = int(accepted_BxK[:n].sum())
+    self.stats["decode_steps"] += R
+    self.stats["decode_tokens"] += int(count[:n].sum())
+    self.stats["drafted"] += K * (int(count[:n].sum()) - accepted)
+    self.stats["accepted"] += accepted
     for k in range(K):
-      self.stats[f"accepted_at_{k + 1}"] += int((accepted[:len(seqs)] > k).sum())
+      self.stats[f"accepted_at_{k + 1}"] += int(accepted_BxK[:n, k].sum())
 
   def _copy_pages(self, moves):
     src = np.asarray([a for a, _ in moves], np.int32)
@@ -719,13 +732,14 @@ def _mtp_prefill_fn(cfg: ModelConfig, K: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _spec_fn(cfg: ModelConfig, K: int):
-  """One speculative round for a batch (module docstring)."""
+def _spec_fn(cfg: ModelConfig, K: int, rounds: int):
+  """`rounds` speculative rounds for a batch on the device (module
+  docstring): each row emits 1..K+1 tokens per round and stops after a stop
+  token or `budget` tokens (its later rounds change nothing)."""
   W = 2 * K
 
-  @functools.partial(jax.jit, donate_argnums=(1, 2, 3))
-  def round_(variables, pages, mtp_pages, ring, slots, recent_BxW, m_B,
-             tables, live_B, sa: SamplingArrays):
+  def one_round(variables, pages, mtp_pages, ring, slots, recent_BxW, m_B,
+                tables, live_B, sa: SamplingArrays):
     B = m_B.shape[0]
     # Draft: module k over the window of positions m-W..m-1; position p
     # reads the token at p + k (committed, or a draft made this round).
@@ -767,4 +781,47 @@ def _spec_fn(cfg: ModelConfig, K: int):
     ring = ring.at[slots].set(jnp.where(live_B[:, None, None], new_ring,
                                         ring[slots]))
     return accepted, tokens, logprobs, pages, new_mtp, ring
-  return round_
+
+  @functools.partial(jax.jit, donate_argnums=(1, 2, 3))
+  def spec(variables, pages, mtp_pages, ring, slots, recent_BxW, m_B, tables,
+           live_B, budget_B, stops_BxS, sa: SamplingArrays):
+    B = m_B.shape[0]
+    width = rounds * (K + 1)
+    rows = jnp.arange(B)[:, None]
+
+    def body(_, carry):
+      (pages, mtp_pages, ring, recent, m, live, out, lps, count,
+       accepted_BxK) = carry
+      # Keys as a round started from the host would make them.
+      accepted, tokens, logprobs, pages, mtp_pages, ring = one_round(
+          variables, pages, mtp_pages, ring, slots, recent, m, tables, live,
+          sa._replace(counter=sa.counter + count))
+      n = jnp.where(live, accepted + 1, 0)             # tokens emitted
+      kept = jnp.arange(K + 1)[None] < n[:, None]
+      # Emitted tokens go to columns count..count+n-1; the rest to a spare.
+      col = jnp.where(kept, count[:, None] + jnp.arange(K + 1)[None], width)
+      out = out.at[rows, col].set(tokens)
+      lps = lps.at[rows, col].set(logprobs)
+      accepted_BxK += live[:, None] & (accepted[:, None]
+                                       > jnp.arange(K)[None])
+      # The window of the last W tokens and the position to feed move on.
+      both = jnp.concatenate([recent, tokens], axis=1)
+      recent = jnp.where(live[:, None], jnp.take_along_axis(
+          both, n[:, None] + jnp.arange(W)[None], axis=1), recent)
+      count = count + n
+      stop = jnp.any(kept[..., None] & (tokens[..., None]
+                                        == stops_BxS[:, None]), axis=(1, 2))
+      live = live & ~stop & (count < budget_B)
+      return (pages, mtp_pages, ring, recent, m + n, live, out, lps, count,
+              accepted_BxK)
+
+    live = live_B & (budget_B > 0)
+    carry = (pages, mtp_pages, ring, recent_BxW, m_B, live,
+             jnp.zeros((B, width + 1), jnp.int32),
+             jnp.zeros((B, width + 1), jnp.float32), jnp.zeros(B, jnp.int32),
+             jnp.zeros((B, K), jnp.int32))
+    (pages, mtp_pages, ring, _, _, _, out, lps, count,
+     accepted_BxK) = jax.lax.fori_loop(0, rounds, body, carry)
+    return out[:, :width], lps[:, :width], count, accepted_BxK, pages, \
+        mtp_pages, ring
+  return spec
