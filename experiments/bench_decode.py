@@ -34,8 +34,9 @@ import numpy as np
 from benchmarks import decode_cases as dc
 from benchmarks import paged_attention_cases as pc
 from benchmarks import timing
-from kernels import gmm_mosaic
 from experiments import cli
+from kernels import gmm_mosaic
+from m2jax.settings import Settings
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_kernel_h100.json",
                            "JSON results")
@@ -71,6 +72,12 @@ cli.integer_lists("page_sizes", "splits", "check_new_tokens")
 _MAX_ERR = 2e-2  # bf16 output vs the float32 reference, relative L2
 
 
+def _settings() -> Settings:
+  """How the kernel sections run the kernels: --interpret reaches the
+  kernel configs through Settings, its one home."""
+  return Settings(interpret=_INTERPRET.value)
+
+
 def _record(results, key, value):
   results[key] = value
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
@@ -95,7 +102,7 @@ def _check(results):
       args = pc.inputs(case, lens, seed=t)
       want = jax.jit(pc.reference())(*args)
       for text in _CONFIGS.value:
-        cfg = pc.config(text, _INTERPRET.value)
+        cfg = pc.config(text, _settings())
         row = {"heads": heads, "new_tokens": t, "config": text,
                "lens": lens.tolist()}
         try:
@@ -125,7 +132,7 @@ def _time(results, copy_bw, failed):
       cands = {"reference": (pc.reference(), None, None)}
       for text in _CONFIGS.value:
         for splits in (int(x) for x in _SPLITS.value):
-          cfg = pc.resolved(pc.config(text, _INTERPRET.value, splits),
+          cfg = pc.resolved(pc.config(text, _settings(), splits),
                             args[0], args[1], args[3])
           name = text if splits == 0 else f"{text}/{splits}"
           cands[name] = (pc.ours(cfg), pc.kernel_alone(cfg, *args), cfg)

@@ -89,8 +89,15 @@ _AGENT_REWRITE = flags.DEFINE_bool(
 _RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_high=0.3))
 
 
+def _settings() -> Settings:
+  """How the kernels run before the model section picks its tiles:
+  --interpret reaches every kernel config through Settings, its one home."""
+  return Settings(interpret=_INTERPRET.value)
+
+
 def _tile_config(text):
-  return ta.TreeAttentionConfig.from_string(text, interpret=_INTERPRET.value)
+  return _settings().replace(tree_attention=ta.TreeAttentionConfig.from_string(
+      text)).tree_attention
 
 
 def _record(results, key, value):
@@ -364,7 +371,7 @@ def main(argv):
              "flags": {n: flags.FLAGS[n].value for n in names}}
   print("device:", results["device"], flush=True)
   # How the model step runs; the attention section picks its tiles.
-  settings = Settings(interpret=_INTERPRET.value)
+  settings = _settings()
   if "attention" in _SECTIONS.value:
     failed = set(_TILES.value)
     try:

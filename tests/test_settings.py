@@ -27,6 +27,8 @@ CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=0)
     ({"tree_attention": "mosaic"}, "tree_attention"),
     ({"tree_attention": TreeAttentionConfig(interpret=True)},
      "tree_attention"),
+    # The Triton grouped matmul only runs interpreted (kernels/gmm.py).
+    ({"gmm_backend": "triton"}, "gmm_backend"),
 ])
 def test_validation_names_the_field(changes, field):
   with pytest.raises(SettingsError, match=f"Settings.{field}"):
@@ -38,6 +40,28 @@ def test_interpret_is_one_switch_for_both_kernels():
                interpret=True)
   assert s.tree_attention.interpret and s.tree_attention.backend == "triton"
   assert not Settings().tree_attention.interpret
+  assert Settings(gmm_backend="triton", interpret=True).gmm_backend == "triton"
+
+
+def test_replace_interpret_round_trips():
+  """interpret lives on Settings only: replacing it reaches the kernel
+  configs' copies both ways, and other fields survive."""
+  on = Settings(interpret=True, remat=True,
+                tree_attention=TreeAttentionConfig(backend="triton"))
+  off = on.replace(interpret=False)
+  assert not off.interpret
+  assert not off.tree_attention.interpret
+  assert not off.paged_attention.interpret
+  assert off == Settings(remat=True,
+                         tree_attention=TreeAttentionConfig(backend="triton"))
+  assert off.replace(interpret=True) == on
+  assert hash(off.replace(interpret=True)) == hash(on)
+  # A kernel config given with the change takes the new value too.
+  both = off.replace(interpret=True,
+                     tree_attention=TreeAttentionConfig(backend="mosaic"))
+  assert both.tree_attention.interpret and both.paged_attention.interpret
+  with pytest.raises(SettingsError, match="Settings.interpret"):
+    on.replace(interpret="no")
 
 
 def test_settings_are_not_saved_with_the_model():
