@@ -12,7 +12,9 @@ The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
 random tokens with the mesh expert=n (n = 1: the plain single-device path,
 no mesh), AdamW, MTP depth 1, exactly the jitted step of m2jax.train.step.
 Runs go one at a time (baseline, largest count, the rest): compile the
-sharded init and step, train warmup + timed steps, append to the JSON.
+sharded init and step, train warmup + timed steps (the median step,
+benchmarks.timing.time_steps; MFU from m2jax.params.mfu), append to the
+JSON.
 Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
 
 Also measured, for the analysis: the exchange checked on the GPUs against
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import exchange
+from benchmarks import timing
 from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, sharding
@@ -138,7 +141,7 @@ def _prepare(run, mcfg, tcfg):
                              / 2**30, 2))
 
 
-def _measure(run, prep, mcfg):
+def _measure(run, prep, mcfg, tcfg):
   rows = run["n"] * FLAGS.batch_per_gpu
   batches = [_batch(rows, FLAGS.seq_len, mcfg.vocab_size, s) for s in (1, 2)]
   if prep["mesh"] is not None:
@@ -146,24 +149,20 @@ def _measure(run, prep, mcfg):
   else:
     batches = [jax.device_put(b, jax.devices()[0]) for b in batches]
   state = prep["init"](prep["key"])
-  losses = []
-  for i in range(FLAGS.warmup):
-    state, m = prep["train"](state, batches[i % 2])
-    losses.append(float(m["loss"]))
-  jax.block_until_ready(state)
-  t = time.perf_counter()
-  for i in range(FLAGS.steps):
-    state, m = prep["train"](state, batches[i % 2])
-  jax.block_until_ready((state, m))
-  elapsed = time.perf_counter() - t
-  tokens = FLAGS.steps * rows * FLAGS.seq_len
-  tps = tokens / elapsed
-  flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len)
-  peak = peak_flops() or float("nan")
-  out = dict(step_ms=round(1e3 * elapsed / FLAGS.steps, 1),
-             tokens_per_s=round(tps), tokens_per_s_per_gpu=round(tps / run["n"]),
-             mfu=round(tps / run["n"] * flops / peak, 4),
-             loss_first=round(losses[0], 4), loss_last=float(m["loss"]),
+  state, first = prep["train"](state, batches[0])  # the first warm-up step
+  loss_first = float(first["loss"])
+  step_s, state, m = timing.time_steps(
+      prep["train"], state, batches[::-1], reps=FLAGS.steps,
+      warmup=max(FLAGS.warmup - 1, 0))
+  tps = rows * FLAGS.seq_len / step_s
+  flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len,
+                                     mtp_depth=tcfg.mtp_depth)
+  mfu = params_lib.mfu(tps, flops, peak_flops(), num_devices=run["n"])
+  out = dict(step_ms=round(1e3 * step_s, 1),
+             tokens_per_s=round(tps),
+             tokens_per_s_per_gpu=round(tps / run["n"]),
+             mfu=None if mfu is None else round(mfu, 4),
+             loss_first=round(loss_first, 4), loss_last=float(m["loss"]),
              dropped_last_step=float(m["moe/dropped"]))
   del state, m
   return out
@@ -237,7 +236,7 @@ def main(argv):
         rec.update(compile_s=prep["compile_s"], temp_gib=prep["temp_gib"],
                    args_gib=prep["args_gib"])
         print(f"{r['name']}: compiled in {prep['compile_s']} s", flush=True)
-        rec.update(_measure(r, prep, mcfg))
+        rec.update(_measure(r, prep, mcfg, tcfg))
         prep.clear()
       except Exception as e:  # pylint: disable=broad-except
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -283,7 +282,7 @@ def main(argv):
     print(f"{rec['name']:>18} {rec['n']:>4} {rec['step_ms']:>8} "
           f"{rec['tokens_per_s_per_gpu']:>10} "
           f"{rec.get('weak_scaling_efficiency', float('nan')):>6} "
-          f"{rec['mfu']:>6} {rec['dropped_last_step']:>7.0f} "
+          f"{rec['mfu'] or float('nan'):>6} {rec['dropped_last_step']:>7.0f} "
           f"{rec['loss_last']:>7.3f}")
   print("exchange check:", json.dumps(result.get("exchange_check")))
   print("all-to-all:", json.dumps(result.get("all_to_all")))
