@@ -1,11 +1,13 @@
 r"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
 
-  NCCL_NVLS_ENABLE=0 \
-  XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true \
-  python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
-      --all_to_all=ragged,slabs --out=benchmarks/results/scaling/run.json
+  NCCL_NVLS_ENABLE=0 python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
+      --all_to_all=ragged --compare=chunks=2,all_to_all=slabs,data \
+      --out=benchmarks/results/scaling/run.json
 
-(experiments/bench_all_to_all.py picks the XLA flags; notes and results:
+The Settings flags (experiments/run_flags.py: --all_to_all,
+--moe_capacity_factor, --exchange_chunks, --gmm_backend, ...) say how every
+run steps; --ragged_decomposer adds XLA's ragged all-to-all decomposer
+(experiments/bench_all_to_all.py measured why; notes and results:
 benchmarks/notes/scaling.md, benchmarks/results/scaling/.)
 
 The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
@@ -27,7 +29,7 @@ import json
 import os
 import time
 
-from absl import flags
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,10 +37,12 @@ import numpy as np
 from benchmarks import exchange
 from benchmarks import timing
 from experiments import cli
+from experiments import run_flags
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
 from m2jax.data import single_document_batch
+from m2jax import settings as settings_lib
 from m2jax.settings import Settings
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -49,20 +53,14 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "m2_small", "Model preset.")
 flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
 flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
-flags.DEFINE_list("compare", ["data"], "Extra layouts at the largest count "
-                  "(data: experts replicated, pure data parallel).")
-flags.DEFINE_list("all_to_all", ["ragged"], "Exchange implementations "
-                  "(Settings.all_to_all): the first for every "
-                  "count, the others again at the largest count.")
-flags.DEFINE_integer("chunks", 2, "Also run the largest count with each "
-                     "device's tokens split into this many exchanges (0: no).")
+flags.DEFINE_list(
+    "compare", ["chunks=2", "data"], "Extra runs at the largest count, in "
+    "order: chunks=N (each device's tokens in N exchanges), all_to_all=IMPL "
+    "(another exchange), data (experts replicated, pure data parallel).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 flags.DEFINE_integer("batch_per_gpu", 8, "Rows per GPU per step.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
-flags.DEFINE_float("capacity_factor", 1.5, "Expert-parallel buffer in "
-                   "multiples of the average rows (0 = worst case, which is "
-                   "n x the average at m2_small: too much memory at n=4).")
 flags.DEFINE_bool("checks", True, "Run the GPU correctness check and the "
                   "all-to-all timing.")
 flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
@@ -70,6 +68,10 @@ flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
 flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
                      "many seconds (the JSON keeps what finished).")
 cli.integer_lists("gpus")
+# How every run steps (Settings): --all_to_all, --exchange_chunks,
+# --gmm_backend, ...; the capacity factor's worst case (0) is n x the
+# average rows at m2_small, too much memory at n=4.
+run_flags.define(all_to_all="ragged", moe_capacity_factor=1.5)
 
 
 def _write(result):
@@ -85,15 +87,42 @@ def _runs():
   runs = [dict(name=f"expert={n}" if n > 1 else "1 GPU, no mesh", n=n,
                mesh=f"expert={n}" if n > 1 else None) for n in counts]
   n = max(counts)
-  if FLAGS.chunks > 1 and n > 1:
-    runs.append(dict(name=f"expert={n},chunks={FLAGS.chunks}", n=n,
-                     mesh=f"expert={n}", chunks=FLAGS.chunks))
-  for impl in FLAGS.all_to_all[1:]:
-    runs.append(dict(name=f"expert={n},{impl}", n=n, mesh=f"expert={n}",
-                     all_to_all=impl))
-  for layout in FLAGS.compare:
-    runs.append(dict(name=f"{layout}={n}", n=n, mesh=f"{layout}={n}"))
+  for item in FLAGS.compare:
+    kind, _, value = item.partition("=")
+    if kind == "chunks" and n > 1 and int(value) > 1:
+      runs.append(dict(name=f"expert={n},chunks={value}", n=n,
+                       mesh=f"expert={n}", chunks=int(value)))
+    elif kind == "all_to_all":
+      runs.append(dict(name=f"expert={n},{value}", n=n, mesh=f"expert={n}",
+                       all_to_all=value))
+    else:
+      runs.append(dict(name=f"{item}={n}", n=n, mesh=f"{item}={n}"))
   return runs
+
+
+def _exchanges(settings):
+  """The exchange of every run, then those --compare adds."""
+  extra = [item.partition("=")[2] for item in FLAGS.compare
+           if item.startswith("all_to_all=")]
+  return list(dict.fromkeys([settings.all_to_all] + extra))
+
+
+def _check_compare():
+  """A bad --compare item fails before any work, in one line."""
+  for item in FLAGS.compare:
+    kind, _, value = item.partition("=")
+    if kind == "chunks" and not value.isdigit():
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: chunks=N needs a positive integer")
+    if kind == "all_to_all" and value not in settings_lib.ALL_TO_ALLS:
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: all_to_all must be one of "
+          f"{settings_lib.ALL_TO_ALLS}")
+    if kind not in ("chunks", "all_to_all") and (value or kind not in (
+        "data", "fsdp", "tensor")):
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: expected chunks=N, all_to_all=IMPL or a "
+          f"mesh axis (data, fsdp, tensor)")
 
 
 def _batch(rows, seq_len, vocab, seed):
@@ -114,8 +143,8 @@ def _prepare(run, mcfg, tcfg):
            for k in ("tokens", "segment_ids", "positions")}
   batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
   mcfg = mcfg.replace(settings=mcfg.settings.replace(
-      exchange_chunks=run.get("chunks", 1),
-      all_to_all=run.get("all_to_all", FLAGS.all_to_all[0])))
+      exchange_chunks=run.get("chunks", mcfg.settings.exchange_chunks),
+      all_to_all=run.get("all_to_all", mcfg.settings.all_to_all)))
   train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   if mesh is None:
     dev = jax.sharding.SingleDeviceSharding(devices[0])
@@ -206,9 +235,20 @@ def _check_exchange(n, impl):
 
 def main(argv):
   del argv
+  if FLAGS.mesh:
+    raise sharding.MeshError("--mesh: bench_scaling builds its meshes from "
+                             "--gpus (expert=n); leave --mesh out")
+  _check_compare()
+  _, settings = run_flags.from_flags()
+  counts = [int(g) for g in FLAGS.gpus]
+  # from_flags saw no mesh: the decomposer for the expert=n runs.
+  if run_flags.extend_xla_flags(f"expert={max(counts)}", settings.all_to_all,
+                                FLAGS.ragged_decomposer):
+    logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
+                    run_flags.RAGGED_DECOMPOSER_FLAG)
   mcfg = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
-          settings=Settings(capacity_factor=FLAGS.capacity_factor))
+          settings=settings)
   tcfg = TrainConfig(steps=1000, warmup_steps=10, mtp_depth=1,
                      learning_rate=3e-4)
   runs = _runs()
@@ -219,9 +259,9 @@ def main(argv):
       jax=jax.__version__, preset=FLAGS.preset, override=FLAGS.override,
       seq_len=FLAGS.seq_len, batch_per_gpu=FLAGS.batch_per_gpu,
       tokens_per_gpu_per_step=FLAGS.seq_len * FLAGS.batch_per_gpu,
-      capacity_factor=FLAGS.capacity_factor, steps=FLAGS.steps,
+      capacity_factor=settings.capacity_factor, steps=FLAGS.steps,
       warmup=FLAGS.warmup, optimizer=tcfg.optimizer, mtp_depth=tcfg.mtp_depth,
-      exchange_impl=FLAGS.all_to_all[0], xla_flags=os.environ.get("XLA_FLAGS"),
+      exchange_impl=settings.all_to_all, xla_flags=os.environ.get("XLA_FLAGS"),
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)
@@ -253,7 +293,7 @@ def main(argv):
     try:
       result["exchange_check"] = {
           impl: _check_exchange(max(r["n"] for r in runs), impl)
-          for impl in FLAGS.all_to_all}
+          for impl in _exchanges(settings)}
     except Exception as e:  # pylint: disable=broad-except
       result["exchange_check"] = f"{type(e).__name__}: {str(e)[:400]}"
     _write(result)

@@ -1,6 +1,8 @@
 """Settings (how a step runs): validation, never saved with the model, part
 of every jit cache key, and the one path from a flag to the layer."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +176,22 @@ def test_gmm_settings_reach_the_experts(monkeypatch):
   out = model.logits(cfg, v, jnp.zeros((1, 4), jnp.int32))
   assert np.isfinite(np.asarray(out)).all()
   assert seen and all(s == ("xla", tiles, False) for s in seen)
+
+
+def test_from_flags_reads_the_given_flag_values(monkeypatch):
+  """from_flags works on a test's own FlagValues (absl's FLAGS, unparsed
+  here, is never read), and a script may give its own defaults."""
+  jax.devices()  # XLA has read XLA_FLAGS: the value below is never parsed
+  monkeypatch.setenv("XLA_FLAGS", "--a=1")
+  fv = flags.FlagValues()
+  run_flags.define(fv, moe_capacity_factor=1.5)
+  fv(["prog", "--mesh=data=1", "--all_to_all=dense", "--exchange_chunks=2"])
+  mesh, s = run_flags.from_flags(fv)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1,
+                              "tensor": 1}
+  assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
+      1.5, "dense", 2)
+  assert run_flags.extend_xla_flags("expert=2", "ragged", True)
+  assert os.environ["XLA_FLAGS"] == f"--a=1 {run_flags.RAGGED_DECOMPOSER_FLAG}"
+  with pytest.raises(ValueError, match="capacity_factor"):
+    run_flags.define(flags.FlagValues(), capacity_factor=1.5)
