@@ -69,6 +69,13 @@ def rel_err(got, want) -> float:
                / jnp.maximum(jnp.linalg.norm(want), 1e-30))
 
 
+def out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory (the one failure a
+  benchmark records and moves past; anything else is a bug to see)."""
+  return (isinstance(error, jax.errors.JaxRuntimeError)
+          and "RESOURCE_EXHAUSTED" in str(error))
+
+
 def warm_up_clocks(seconds: float = 2.0):
   """Runs matmuls for a while so the first timings see steady clocks."""
   x = jnp.ones((8192, 8192), jnp.bfloat16)
