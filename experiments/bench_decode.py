@@ -262,6 +262,7 @@ def _engine_section(results):
                        decode_steps=_DECODE_STEPS.value)
     r.pop("outputs")
     r["gmm_tiles"] = tiles or "auto"
+    r["settings"] = run_cfg.settings.to_dict()
     floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
     r.update(source=source, floor_bytes=floor,
              floor_ms=floor["total"] / bw * 1e3)

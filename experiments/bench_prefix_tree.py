@@ -325,6 +325,7 @@ def _time_model(results, settings: Settings, ffn: str):
     row = {"case": case, "samples": len(seqs),
            "sample_tokens": int(sum(map(len, seqs))), "config": _CONFIG.value,
            "ffn": cfg.ffn_type, "remat": remat, "row_len": _ROW_LEN.value,
+           "settings": cfg.settings.to_dict(),
            "loss": "CISPO, per-group normalisation, sample layout "
                    "(m2jax.rl.step.grad_step)",
            "step_memory_gib": step_memory}

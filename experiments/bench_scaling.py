@@ -261,7 +261,8 @@ def main(argv):
       tokens_per_gpu_per_step=FLAGS.seq_len * FLAGS.batch_per_gpu,
       capacity_factor=settings.capacity_factor, steps=FLAGS.steps,
       warmup=FLAGS.warmup, optimizer=tcfg.optimizer, mtp_depth=tcfg.mtp_depth,
-      exchange_impl=settings.all_to_all, xla_flags=os.environ.get("XLA_FLAGS"),
+      exchange_impl=settings.all_to_all, settings=settings.to_dict(),
+      xla_flags=os.environ.get("XLA_FLAGS"),
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)

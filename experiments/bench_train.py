@@ -78,7 +78,8 @@ def bench(backend: str) -> dict:
   tps = B * T / step_s
   fpt = params.flops_per_token(mcfg, T, mtp_depth=tcfg.mtp_depth)
   mem = jax.devices()[0].memory_stats() or {}
-  return {"backend": backend, "compile_s": compile_s, "step_s": step_s,
+  return {"backend": backend, "settings": mcfg.settings.to_dict(),
+          "compile_s": compile_s, "step_s": step_s,
           "tokens_per_sec": tps,
           "model_tflops": tps * fpt / 1e12,
           "mfu": params.mfu(tps, fpt, peak_flops()),

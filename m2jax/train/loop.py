@@ -268,7 +268,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   meta = {"model": config_to_dict(mcfg), "train": config_to_dict(tcfg),
           "data": config_to_dict(saved_data)}
   if primary:
-    ckpt_lib.write_json(os.path.join(workdir, "config.json"), meta)
+    ckpt_lib.write_json(os.path.join(workdir, "config.json"),
+                        dict(meta, settings=mcfg.settings.to_dict()))
 
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
