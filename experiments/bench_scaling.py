@@ -20,8 +20,9 @@ JSON.
 Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
 
 Also measured, for the analysis: the exchange checked on the GPUs against
-one device (a small model, ragged_all_to_all, float32 and bf16 Pallas
-kernels), and one ragged all-to-all of a layer's rows timed alone.
+one device (a small model, the exchanges run: float32 with the XLA grouped
+matmul, "float32_xla", and bf16 with the gmm backend "auto" picks,
+"bf16_auto"), and one ragged all-to-all of a layer's rows timed alone.
 """
 
 import functools
@@ -201,7 +202,7 @@ def _check_exchange(n, impl):
   """Sharded (expert=n, exchange `impl`, dropless) vs one device, small model."""
   out = {}
   for name, over in (("float32_xla", dict(compute_dtype="float32")),
-                     ("bf16_pallas", dict(compute_dtype="bfloat16",
+                     ("bf16_auto", dict(compute_dtype="bfloat16",
                                           hidden_size=256,
                                           moe_intermediate_size=256))):
     cfg = config_lib.TINY.replace(num_layers=1, num_experts=8,

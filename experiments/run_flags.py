@@ -58,8 +58,8 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
       "mosaic, triton, or tiles as mosaic:BK.BK_DQ.BQ_DKV.STAGES "
       "(kernels.tree_attention.TreeAttentionConfig.from_string).", **d)
   flags.DEFINE_string("gmm_backend", "auto", "Experts' grouped matmul: auto, "
-                      "xla (ragged_dot) or mosaic (Hopper); triton only "
-                      "interprets (CPU tests).", **d)
+                      "xla (ragged_dot) or mosaic (Hopper); triton runs only "
+                      "interpreted (Settings.interpret, CPU tests).", **d)
   flags.DEFINE_string("gmm_tiles", "", "Mosaic grouped-matmul tiles "
                       "TILE_N.TILE_K.STAGES for every shape (empty: the "
                       "widest tile that fits each shape).", **d)

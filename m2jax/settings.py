@@ -26,7 +26,7 @@ Where each field is read:
   interpret        both kernels (Pallas interpreters on a CPU)
   all_to_all, capacity_factor, exchange_chunks
                    m2jax/model/moe.py -> m2jax/model/expert_parallel.py
-  remat            m2jax/model/transformer.py
+  remat            m2jax/model/block.py
 """
 
 from __future__ import annotations

@@ -35,12 +35,13 @@ space, stay on AdamW, and so does the router gate, which is a small output
 head over experts. Attention q/k/v/o are orthogonalised as one matrix over
 all heads; `expert` is a batch axis, so each expert is orthogonalised on its
 own. Muon's update is scaled by sqrt(max(1, fan_out / fan_in)) (optax's
-default) and shares the learning-rate schedule with AdamW. Weight decay is decoupled (AdamW style, times the learning rate) and
-applies to every weight matrix, embedding, lm_head and MTP projection
-included, but never to a gain (decay would pull the normalised activations
-towards zero, not regularise a map) and not to the router gate: its scale is
-the routing temperature that the expert bias (SPEC §1) is compared against,
-so decay would slowly hand expert choice from the scores to the bias.
+default) and shares the learning-rate schedule with AdamW. Weight decay is
+decoupled (AdamW style, times the learning rate) and applies to every weight
+matrix, embedding, lm_head and MTP projection included, but never to a gain
+(decay would pull the normalised activations towards zero, not regularise a
+map) and not to the router gate: its scale is the routing temperature that
+the expert bias (SPEC §1) is compared against, so decay would slowly hand
+expert choice from the scores to the bias.
 
 Both optimizers share one decay transformation and one mask, so they agree on
 which parameters decay by construction. The AdamW kinds get the same AdamW
