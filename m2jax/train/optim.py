@@ -245,3 +245,31 @@ def make_optimizer(config: TrainConfig,
     opt = optax.multi_transform(
         {"train": opt, "frozen": optax.set_to_zero()}, labels)
   return opt
+
+
+# Where make_optimizer's state keeps what (m2jax.train.mtp_growth.carry_state
+# reads and writes the moments and step counts here).
+
+def joint_opt_state(config: TrainConfig, opt_state):
+  """The state of the all-parameter optimizer inside `opt_state` (made by
+  make_optimizer(config, ...)): `opt_state` itself, or under `mtp_only`
+  the "train" group of the multi_transform, frozen leaves masked out
+  (optax.MaskedNode: see is_masked)."""
+  if not config.mtp_only:
+    return opt_state
+  return opt_state.inner_states["train"].inner_state
+
+
+def replace_joint_opt_state(config: TrainConfig, opt_state, inner):
+  """`opt_state` with its joint_opt_state part replaced by `inner`."""
+  if not config.mtp_only:
+    return inner
+  groups = dict(opt_state.inner_states)
+  groups["train"] = groups["train"]._replace(inner_state=inner)
+  return opt_state._replace(inner_states=groups)
+
+
+def is_masked(x) -> bool:
+  """Whether an optimizer-state leaf is a placeholder for a parameter the
+  transformation does not see (frozen, or of the other Muon family)."""
+  return isinstance(x, optax.MaskedNode)
