@@ -195,3 +195,23 @@ def test_from_flags_reads_the_given_flag_values(monkeypatch):
   assert os.environ["XLA_FLAGS"] == f"--a=1 {run_flags.RAGGED_DECOMPOSER_FLAG}"
   with pytest.raises(ValueError, match="capacity_factor"):
     run_flags.define(flags.FlagValues(), capacity_factor=1.5)
+
+
+def test_a_run_saved_before_the_move_to_settings_still_reads():
+  """A saved model config holding fields that moved to Settings (a run made
+  before the move) reads with a warning and matches its checkpoints; an
+  override naming such a field is still refused."""
+  from m2jax.train import checkpoint  # pylint: disable=import-outside-toplevel
+  saved = dict(config_lib.config_to_dict(CFG), remat=True, gmm_backend="xla",
+               attention_impl="xla")
+  with pytest.warns(UserWarning, match="ignoring.*remat.*Settings"):
+    got = config_lib.config_from_dict(config_lib.ModelConfig, saved)
+  assert got == CFG
+  assert checkpoint.config_differences(saved, CFG) == []
+  with pytest.raises(config_lib.ConfigError, match="Settings.remat"):
+    config_lib.apply_overrides(CFG, ["remat=true"])
+  # Other unknown fields are still refused.
+  with pytest.raises(config_lib.ConfigError, match="unknown fields"), \
+       pytest.warns(UserWarning):
+    config_lib.config_from_dict(config_lib.ModelConfig,
+                                dict(saved, no_such_field=1))
