@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import paged_attention as pa
+from m2jax.settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +80,11 @@ def kv_bytes(kv_lens, case: DecodeCase, dtype=jnp.bfloat16) -> int:
              * case.head_dim * jnp.dtype(dtype).itemsize)
 
 
-def config(text: str, interpret: bool = False, num_splits: int = 0):
+def config(text: str, settings: Settings = Settings(), num_splits: int = 0):
   """A PagedAttentionConfig from a --configs item ("mosaic:64.2",
-  "triton:64.4.2", "xla", ...)."""
-  return pa.PagedAttentionConfig.from_string(text, num_splits=num_splits,
-                                             interpret=interpret)
+  "triton:64.4.2", "xla", ...), run as `settings` says (its interpret)."""
+  return settings.replace(paged_attention=pa.PagedAttentionConfig.from_string(
+      text, num_splits=num_splits)).paged_attention
 
 
 def ours(cfg: pa.PagedAttentionConfig):

@@ -1,5 +1,5 @@
-"""The device timer, the error metric and the copy bandwidth every benchmark
-uses."""
+"""The device timer (time_fn; time_steps for steps that carry a state), the
+error metric and the copy bandwidth every benchmark uses."""
 
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def time_fn(f, *args, reps: int = 10, warmup: int = 2, min_time: float = 0.0):
   return statistics.median(samples), out
 
 
+def time_steps(step, state, batches, *, reps: int = 10, warmup: int = 3):
+  """time_fn for a step that carries its state, `state, out = step(state,
+  batch)` (a train step, which donates its state, cannot be called twice
+  on one state): median seconds per step over `reps` steps after `warmup`
+  untimed ones, the batches taken in turn. Returns (seconds, the last
+  state, the last step's `out`)."""
+  carry = {"state": state, "calls": 0}
+
+  def one_step():
+    batch = batches[carry["calls"] % len(batches)]
+    carry["calls"] += 1
+    carry["state"], out = step(carry["state"], batch)
+    return carry["state"], out
+
+  seconds, (state, out) = time_fn(one_step, reps=reps, warmup=warmup)
+  return seconds, state, out
+
+
 def rel_err(got, want) -> float:
   """Relative L2 error ||got - want|| / ||want||, in float32; inf when `got`
   holds a non-finite value (an unwritten or overflowed output)."""
@@ -49,6 +67,13 @@ def rel_err(got, want) -> float:
     return float("inf")
   return float(jnp.linalg.norm(got - want)
                / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA running out of device memory (the one failure a
+  benchmark records and moves past; anything else is a bug to see)."""
+  return (isinstance(error, jax.errors.JaxRuntimeError)
+          and "RESOURCE_EXHAUSTED" in str(error))
 
 
 def warm_up_clocks(seconds: float = 2.0):

@@ -35,8 +35,9 @@ from benchmarks import decode_cases as dc
 from benchmarks import paged_attention_cases as pc
 from benchmarks import profile as profile_lib
 from benchmarks import timing
-from kernels import gmm_mosaic
 from experiments import cli
+from kernels import gmm_mosaic
+from m2jax.settings import Settings
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/decode_kernel_h100.json",
                            "JSON results")
@@ -72,6 +73,12 @@ cli.integer_lists("page_sizes", "splits", "check_new_tokens")
 _MAX_ERR = 2e-2  # bf16 output vs the float32 reference, relative L2
 
 
+def _settings() -> Settings:
+  """How the kernel sections run the kernels: --interpret reaches the
+  kernel configs through Settings, its one home."""
+  return Settings(interpret=_INTERPRET.value)
+
+
 def _record(results, key, value):
   results[key] = value
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
@@ -96,7 +103,7 @@ def _check(results):
       args = pc.inputs(case, lens, seed=t)
       want = jax.jit(pc.reference())(*args)
       for text in _CONFIGS.value:
-        cfg = pc.config(text, _INTERPRET.value)
+        cfg = pc.config(text, _settings())
         row = {"heads": heads, "new_tokens": t, "config": text,
                "lens": lens.tolist()}
         try:
@@ -126,7 +133,7 @@ def _time(results, copy_bw, failed):
       cands = {"reference": (pc.reference(), None, None)}
       for text in _CONFIGS.value:
         for splits in (int(x) for x in _SPLITS.value):
-          cfg = pc.resolved(pc.config(text, _INTERPRET.value, splits),
+          cfg = pc.resolved(pc.config(text, _settings(), splits),
                             args[0], args[1], args[3])
           name = text if splits == 0 else f"{text}/{splits}"
           cands[name] = (pc.ours(cfg), pc.kernel_alone(cfg, *args), cfg)
@@ -263,6 +270,7 @@ def _engine_section(results):
     if "profile" in r:
       profile_lib.print_summary(r["profile"], f"profile B={batch}")
     r["gmm_tiles"] = tiles or "auto"
+    r["settings"] = run_cfg.settings.to_dict()
     floor = dc.floor_bytes(cfg, batch, _PROMPT.value + _GEN.value // 2)
     r.update(source=source, floor_bytes=floor,
              floor_ms=floor["total"] / bw * 1e3)

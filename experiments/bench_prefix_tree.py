@@ -79,8 +79,12 @@ _GRPO = flags.DEFINE_string("grpo", "3x16x4096x512",
                             "GROUPSxGxPROMPTxRESPONSE for case (a)")
 _AGENT_STEPS = flags.DEFINE_list("agent_steps", ["16", "32"],
                                  "steps of each agent trajectory (case b)")
-_MODEL_CASES = flags.DEFINE_list("model_cases", ["a_grpo", "b_agent"],
-                                 "which model-step cases run")
+_CASES = ("a_grpo", "b_agent")  # the keys of _samplers()
+_MODEL_CASES = flags.DEFINE_list("model_cases", list(_CASES),
+                                 f"which model-step cases run: {_CASES}")
+flags.register_validator(
+    "model_cases", lambda cases: set(cases) <= set(_CASES),
+    f"--model_cases: each must be one of {_CASES}")
 _AGENT_START = flags.DEFINE_integer("agent_start", 2048, "initial state")
 _AGENT_FINAL = flags.DEFINE_integer("agent_final", 32768, "final length")
 _AGENT_REWRITE = flags.DEFINE_bool(
@@ -89,8 +93,15 @@ _AGENT_REWRITE = flags.DEFINE_bool(
 _RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_high=0.3))
 
 
+def _settings() -> Settings:
+  """How the kernels run before the model section picks its tiles:
+  --interpret reaches every kernel config through Settings, its one home."""
+  return Settings(interpret=_INTERPRET.value)
+
+
 def _tile_config(text):
-  return ta.TreeAttentionConfig.from_string(text, interpret=_INTERPRET.value)
+  return _settings().replace(tree_attention=ta.TreeAttentionConfig.from_string(
+      text)).tree_attention
 
 
 def _record(results, key, value):
@@ -167,7 +178,7 @@ def _time_attention(results, failed):
           cands[f"tokamax_{impl}_q_end"] = (tb.tokamax_q_end(se, impl),
                                             tb.tokamax_q_end(se, impl, True),
                                             live)
-        except Exception as e:  # pylint: disable=broad-except
+        except (ImportError, AttributeError) as e:
           print(f"tokamax {impl}: not importable: {e}")
     for name, (fwd, fwdbwd, entries) in cands.items():
       row = {"group": spec, "tokens": T, "impl": name, "entries": entries,
@@ -178,7 +189,9 @@ def _time_attention(results, failed):
           row[f"{mode}_ms"] = t * 1e3
           row[f"{mode}_tflops"] = params_lib.attention_flops(
               entries, N, H, backward=mode == "fwdbwd") / t / 1e12
-        except Exception as e:  # pylint: disable=broad-except
+        except jax.errors.JaxRuntimeError as e:
+          if not timing.out_of_memory(e):
+            raise
           row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
           print(f"{spec} {name} {mode}: {row[f'{mode}_error']}")
       rows.append(row)
@@ -207,7 +220,9 @@ def _time_kernels(results):
         row[f"{name}_ms"] = t * 1e3
         row[f"{name}_tflops_with_recompute"] = (
             params_lib.attention_product_flops(live, N, H, mm) / t / 1e12)
-    except Exception as e:  # pylint: disable=broad-except
+    except jax.errors.JaxRuntimeError as e:
+      if not timing.out_of_memory(e):
+        raise
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
     print(f"kernels {tile:<40} " + "  ".join(
@@ -278,10 +293,6 @@ def _time_model(results, settings: Settings, ffn: str):
   variables = model.init(cfg, jax.random.key(0))
   params, bias = variables["params"], variables.get(model.EXPERT_BIAS, {})
   samplers = _samplers()
-  unknown = set(_MODEL_CASES.value) - set(samplers)
-  if unknown:
-    raise ValueError(f"--model_cases: unknown {sorted(unknown)}, "
-                     f"choose from {sorted(samplers)}")
   cases = [(c, samplers[c](rng, cfg.vocab_size)) for c in _MODEL_CASES.value]
   max_len = max(len(s) for _, (seqs, _, _) in cases for s in seqs)
   layouts = {}
@@ -314,6 +325,7 @@ def _time_model(results, settings: Settings, ffn: str):
     row = {"case": case, "samples": len(seqs),
            "sample_tokens": int(sum(map(len, seqs))), "config": _CONFIG.value,
            "ffn": cfg.ffn_type, "remat": remat, "row_len": _ROW_LEN.value,
+           "settings": cfg.settings.to_dict(),
            "loss": "CISPO, per-group normalisation, sample layout "
                    "(m2jax.rl.step.grad_step)",
            "step_memory_gib": step_memory}
@@ -364,35 +376,27 @@ def main(argv):
              "flags": {n: flags.FLAGS[n].value for n in names}}
   print("device:", results["device"], flush=True)
   # How the model step runs; the attention section picks its tiles.
-  settings = Settings(interpret=_INTERPRET.value)
+  settings = _settings()
   if "attention" in _SECTIONS.value:
-    failed = set(_TILES.value)
-    try:
-      failed = _check_ours_on_device(results)
-    except Exception:  # pylint: disable=broad-except
-      traceback.print_exc()
-    try:
-      rows = _time_attention(results, failed)
-      best = _best_tiles(rows, failed)
-      # The model step runs the fastest tiles that passed the check.
-      settings = settings.replace(
-          tree_attention=ta.TreeAttentionConfig.from_string(best))
-      _record(results, "model_tiles", best)
-      print("tiles for the model step:", best)
-    except Exception:  # pylint: disable=broad-except
-      traceback.print_exc()
+    failed = _check_ours_on_device(results)
+    rows = _time_attention(results, failed)
+    best = _best_tiles(rows, failed)
+    # The model step runs the fastest tiles that passed the check.
+    settings = settings.replace(
+        tree_attention=ta.TreeAttentionConfig.from_string(best))
+    _record(results, "model_tiles", best)
+    print("tiles for the model step:", best)
   if "kernels" in _SECTIONS.value:
-    try:
-      _time_kernels(results)
-    except Exception:  # pylint: disable=broad-except
-      traceback.print_exc()
+    _time_kernels(results)
   if "model" in _SECTIONS.value:
     try:
       _time_model(results, settings, _FFN.value)
-    except Exception:  # pylint: disable=broad-except
+    except jax.errors.JaxRuntimeError as e:
+      if not timing.out_of_memory(e):
+        raise
       traceback.print_exc()
-      print("retrying the model step with a dense FFN of equal width and "
-            "remat", flush=True)
+      print("out of memory: retrying the model step with a dense FFN of "
+            "equal width and remat", flush=True)
       _time_model(results, settings.replace(remat=True), "dense")
     stats = jax.devices()[0].memory_stats() or {}
     _record(results, "peak_bytes_in_use", stats.get("peak_bytes_in_use"))

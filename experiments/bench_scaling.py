@@ -1,23 +1,28 @@
 r"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
 
-  NCCL_NVLS_ENABLE=0 \
-  XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true \
-  python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
-      --all_to_all=ragged,slabs --out=benchmarks/results/scaling/run.json
+  NCCL_NVLS_ENABLE=0 python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
+      --all_to_all=ragged --compare=chunks=2,all_to_all=slabs,data \
+      --out=benchmarks/results/scaling/run.json
 
-(experiments/bench_all_to_all.py picks the XLA flags; notes and results:
+The Settings flags (experiments/run_flags.py: --all_to_all,
+--moe_capacity_factor, --exchange_chunks, --gmm_backend, ...) say how every
+run steps; --ragged_decomposer adds XLA's ragged all-to-all decomposer
+(experiments/bench_all_to_all.py measured why; notes and results:
 benchmarks/notes/scaling.md, benchmarks/results/scaling/.)
 
 The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
 random tokens with the mesh expert=n (n = 1: the plain single-device path,
 no mesh), AdamW, MTP depth 1, exactly the jitted step of m2jax.train.step.
 Runs go one at a time (baseline, largest count, the rest): compile the
-sharded init and step, train warmup + timed steps, append to the JSON.
+sharded init and step, train warmup + timed steps (the median step,
+benchmarks.timing.time_steps; MFU from m2jax.params.mfu), append to the
+JSON.
 Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
 
 Also measured, for the analysis: the exchange checked on the GPUs against
-one device (a small model, ragged_all_to_all, float32 and bf16 Pallas
-kernels), and one ragged all-to-all of a layer's rows timed alone.
+one device (a small model, the exchanges run: float32 with the XLA grouped
+matmul, "float32_xla", and bf16 with the gmm backend "auto" picks,
+"bf16_auto"), and one ragged all-to-all of a layer's rows timed alone.
 """
 
 import functools
@@ -25,17 +30,20 @@ import json
 import os
 import time
 
-from absl import flags
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import exchange
+from benchmarks import timing
 from experiments import cli
+from experiments import run_flags
 from m2jax import config as config_lib
 from m2jax import model, sharding
 from m2jax import params as params_lib
 from m2jax.data import single_document_batch
+from m2jax import settings as settings_lib
 from m2jax.settings import Settings
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -46,20 +54,14 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "m2_small", "Model preset.")
 flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
 flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
-flags.DEFINE_list("compare", ["data"], "Extra layouts at the largest count "
-                  "(data: experts replicated, pure data parallel).")
-flags.DEFINE_list("all_to_all", ["ragged"], "Exchange implementations "
-                  "(Settings.all_to_all): the first for every "
-                  "count, the others again at the largest count.")
-flags.DEFINE_integer("chunks", 2, "Also run the largest count with each "
-                     "device's tokens split into this many exchanges (0: no).")
+flags.DEFINE_list(
+    "compare", ["chunks=2", "data"], "Extra runs at the largest count, in "
+    "order: chunks=N (each device's tokens in N exchanges), all_to_all=IMPL "
+    "(another exchange), data (experts replicated, pure data parallel).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 flags.DEFINE_integer("batch_per_gpu", 8, "Rows per GPU per step.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
 flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
-flags.DEFINE_float("capacity_factor", 1.5, "Expert-parallel buffer in "
-                   "multiples of the average rows (0 = worst case, which is "
-                   "n x the average at m2_small: too much memory at n=4).")
 flags.DEFINE_bool("checks", True, "Run the GPU correctness check and the "
                   "all-to-all timing.")
 flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
@@ -67,6 +69,10 @@ flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
 flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
                      "many seconds (the JSON keeps what finished).")
 cli.integer_lists("gpus")
+# How every run steps (Settings): --all_to_all, --exchange_chunks,
+# --gmm_backend, ...; the capacity factor's worst case (0) is n x the
+# average rows at m2_small, too much memory at n=4.
+run_flags.define(all_to_all="ragged", moe_capacity_factor=1.5)
 
 
 def _write(result):
@@ -82,15 +88,42 @@ def _runs():
   runs = [dict(name=f"expert={n}" if n > 1 else "1 GPU, no mesh", n=n,
                mesh=f"expert={n}" if n > 1 else None) for n in counts]
   n = max(counts)
-  if FLAGS.chunks > 1 and n > 1:
-    runs.append(dict(name=f"expert={n},chunks={FLAGS.chunks}", n=n,
-                     mesh=f"expert={n}", chunks=FLAGS.chunks))
-  for impl in FLAGS.all_to_all[1:]:
-    runs.append(dict(name=f"expert={n},{impl}", n=n, mesh=f"expert={n}",
-                     all_to_all=impl))
-  for layout in FLAGS.compare:
-    runs.append(dict(name=f"{layout}={n}", n=n, mesh=f"{layout}={n}"))
+  for item in FLAGS.compare:
+    kind, _, value = item.partition("=")
+    if kind == "chunks" and n > 1 and int(value) > 1:
+      runs.append(dict(name=f"expert={n},chunks={value}", n=n,
+                       mesh=f"expert={n}", chunks=int(value)))
+    elif kind == "all_to_all":
+      runs.append(dict(name=f"expert={n},{value}", n=n, mesh=f"expert={n}",
+                       all_to_all=value))
+    else:
+      runs.append(dict(name=f"{item}={n}", n=n, mesh=f"{item}={n}"))
   return runs
+
+
+def _exchanges(settings):
+  """The exchange of every run, then those --compare adds."""
+  extra = [item.partition("=")[2] for item in FLAGS.compare
+           if item.startswith("all_to_all=")]
+  return list(dict.fromkeys([settings.all_to_all] + extra))
+
+
+def _check_compare():
+  """A bad --compare item fails before any work, in one line."""
+  for item in FLAGS.compare:
+    kind, _, value = item.partition("=")
+    if kind == "chunks" and not value.isdigit():
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: chunks=N needs a positive integer")
+    if kind == "all_to_all" and value not in settings_lib.ALL_TO_ALLS:
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: all_to_all must be one of "
+          f"{settings_lib.ALL_TO_ALLS}")
+    if kind not in ("chunks", "all_to_all") and (value or kind not in (
+        "data", "fsdp", "tensor")):
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: expected chunks=N, all_to_all=IMPL or a "
+          f"mesh axis (data, fsdp, tensor)")
 
 
 def _batch(rows, seq_len, vocab, seed):
@@ -111,8 +144,8 @@ def _prepare(run, mcfg, tcfg):
            for k in ("tokens", "segment_ids", "positions")}
   batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
   mcfg = mcfg.replace(settings=mcfg.settings.replace(
-      exchange_chunks=run.get("chunks", 1),
-      all_to_all=run.get("all_to_all", FLAGS.all_to_all[0])))
+      exchange_chunks=run.get("chunks", mcfg.settings.exchange_chunks),
+      all_to_all=run.get("all_to_all", mcfg.settings.all_to_all)))
   train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   if mesh is None:
     dev = jax.sharding.SingleDeviceSharding(devices[0])
@@ -138,7 +171,7 @@ def _prepare(run, mcfg, tcfg):
                              / 2**30, 2))
 
 
-def _measure(run, prep, mcfg):
+def _measure(run, prep, mcfg, tcfg):
   rows = run["n"] * FLAGS.batch_per_gpu
   batches = [_batch(rows, FLAGS.seq_len, mcfg.vocab_size, s) for s in (1, 2)]
   if prep["mesh"] is not None:
@@ -146,24 +179,20 @@ def _measure(run, prep, mcfg):
   else:
     batches = [jax.device_put(b, jax.devices()[0]) for b in batches]
   state = prep["init"](prep["key"])
-  losses = []
-  for i in range(FLAGS.warmup):
-    state, m = prep["train"](state, batches[i % 2])
-    losses.append(float(m["loss"]))
-  jax.block_until_ready(state)
-  t = time.perf_counter()
-  for i in range(FLAGS.steps):
-    state, m = prep["train"](state, batches[i % 2])
-  jax.block_until_ready((state, m))
-  elapsed = time.perf_counter() - t
-  tokens = FLAGS.steps * rows * FLAGS.seq_len
-  tps = tokens / elapsed
-  flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len)
-  peak = peak_flops() or float("nan")
-  out = dict(step_ms=round(1e3 * elapsed / FLAGS.steps, 1),
-             tokens_per_s=round(tps), tokens_per_s_per_gpu=round(tps / run["n"]),
-             mfu=round(tps / run["n"] * flops / peak, 4),
-             loss_first=round(losses[0], 4), loss_last=float(m["loss"]),
+  state, first = prep["train"](state, batches[0])  # the first warm-up step
+  loss_first = float(first["loss"])
+  step_s, state, m = timing.time_steps(
+      prep["train"], state, batches[::-1], reps=FLAGS.steps,
+      warmup=max(FLAGS.warmup - 1, 0))
+  tps = rows * FLAGS.seq_len / step_s
+  flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len,
+                                     mtp_depth=tcfg.mtp_depth)
+  mfu = params_lib.mfu(tps, flops, peak_flops(), num_devices=run["n"])
+  out = dict(step_ms=round(1e3 * step_s, 1),
+             tokens_per_s=round(tps),
+             tokens_per_s_per_gpu=round(tps / run["n"]),
+             mfu=None if mfu is None else round(mfu, 4),
+             loss_first=round(loss_first, 4), loss_last=float(m["loss"]),
              dropped_last_step=float(m["moe/dropped"]))
   del state, m
   return out
@@ -173,7 +202,7 @@ def _check_exchange(n, impl):
   """Sharded (expert=n, exchange `impl`, dropless) vs one device, small model."""
   out = {}
   for name, over in (("float32_xla", dict(compute_dtype="float32")),
-                     ("bf16_pallas", dict(compute_dtype="bfloat16",
+                     ("bf16_auto", dict(compute_dtype="bfloat16",
                                           hidden_size=256,
                                           moe_intermediate_size=256))):
     cfg = config_lib.TINY.replace(num_layers=1, num_experts=8,
@@ -207,9 +236,20 @@ def _check_exchange(n, impl):
 
 def main(argv):
   del argv
+  if FLAGS.mesh:
+    raise sharding.MeshError("--mesh: bench_scaling builds its meshes from "
+                             "--gpus (expert=n); leave --mesh out")
+  _check_compare()
+  _, settings = run_flags.from_flags()
+  counts = [int(g) for g in FLAGS.gpus]
+  # from_flags saw no mesh: the decomposer for the expert=n runs.
+  if run_flags.extend_xla_flags(f"expert={max(counts)}", settings.all_to_all,
+                                FLAGS.ragged_decomposer):
+    logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
+                    run_flags.RAGGED_DECOMPOSER_FLAG)
   mcfg = config_lib.apply_overrides(
       config_lib.get_preset(FLAGS.preset), FLAGS.override).replace(
-          settings=Settings(capacity_factor=FLAGS.capacity_factor))
+          settings=settings)
   tcfg = TrainConfig(steps=1000, warmup_steps=10, mtp_depth=1,
                      learning_rate=3e-4)
   runs = _runs()
@@ -220,9 +260,10 @@ def main(argv):
       jax=jax.__version__, preset=FLAGS.preset, override=FLAGS.override,
       seq_len=FLAGS.seq_len, batch_per_gpu=FLAGS.batch_per_gpu,
       tokens_per_gpu_per_step=FLAGS.seq_len * FLAGS.batch_per_gpu,
-      capacity_factor=FLAGS.capacity_factor, steps=FLAGS.steps,
+      capacity_factor=settings.capacity_factor, steps=FLAGS.steps,
       warmup=FLAGS.warmup, optimizer=tcfg.optimizer, mtp_depth=tcfg.mtp_depth,
-      exchange_impl=FLAGS.all_to_all[0], xla_flags=os.environ.get("XLA_FLAGS"),
+      exchange_impl=settings.all_to_all, settings=settings.to_dict(),
+      xla_flags=os.environ.get("XLA_FLAGS"),
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)
@@ -237,7 +278,7 @@ def main(argv):
         rec.update(compile_s=prep["compile_s"], temp_gib=prep["temp_gib"],
                    args_gib=prep["args_gib"])
         print(f"{r['name']}: compiled in {prep['compile_s']} s", flush=True)
-        rec.update(_measure(r, prep, mcfg))
+        rec.update(_measure(r, prep, mcfg, tcfg))
         prep.clear()
       except Exception as e:  # pylint: disable=broad-except
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -254,7 +295,7 @@ def main(argv):
     try:
       result["exchange_check"] = {
           impl: _check_exchange(max(r["n"] for r in runs), impl)
-          for impl in FLAGS.all_to_all}
+          for impl in _exchanges(settings)}
     except Exception as e:  # pylint: disable=broad-except
       result["exchange_check"] = f"{type(e).__name__}: {str(e)[:400]}"
     _write(result)
@@ -283,7 +324,7 @@ def main(argv):
     print(f"{rec['name']:>18} {rec['n']:>4} {rec['step_ms']:>8} "
           f"{rec['tokens_per_s_per_gpu']:>10} "
           f"{rec.get('weak_scaling_efficiency', float('nan')):>6} "
-          f"{rec['mfu']:>6} {rec['dropped_last_step']:>7.0f} "
+          f"{rec['mfu'] or float('nan'):>6} {rec['dropped_last_step']:>7.0f} "
           f"{rec['loss_last']:>7.3f}")
   print("exchange check:", json.dumps(result.get("exchange_check")))
   print("all-to-all:", json.dumps(result.get("all_to_all")))

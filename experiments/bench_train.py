@@ -4,15 +4,15 @@ r"""Training throughput of a preset: tokens/s and MFU per grouped-matmul backend
       --seq_len=2048 --backends=mosaic,xla --output=benchmarks/results/x.json
 
 Times the jitted train step (forward, backward, AdamW, bias update) on
-random token batches, after warm-up, as the median over --steps steps.
-MFU counts 6 x active parameters + causal attention FLOPs per token
-(m2jax.params.flops_per_token) against the card's dense bf16 peak; the
-measured dense matmul rate of the same card is reported beside it.
+random token batches, after warm-up, as the median over --steps steps
+(benchmarks.timing.time_steps). MFU (m2jax.params.mfu) counts 6 x active
+parameters + causal attention FLOPs per token, the trained MTP module
+included (m2jax.params.flops_per_token), against the card's dense bf16
+peak; the measured dense matmul rate of the same card is reported beside it.
 """
 
 import json
 import os
-import statistics
 import time
 
 from absl import flags, logging
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, params
@@ -44,14 +45,9 @@ flags.DEFINE_string("output", None, "JSON file for the results.")
 def _dense_matmul_tflops(n=8192, reps=20) -> float:
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  f = jax.jit(lambda x, y: x @ y)
-  f(a, b).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(reps):
-    out = f(a, b)
-  out.block_until_ready()
-  seconds = time.perf_counter() - t
-  return params.matmul_flops(n, n, n) * reps / seconds / 1e12
+  seconds, _ = timing.time_fn(jax.jit(lambda x, y: x @ y), a, b, reps=reps,
+                               min_time=0.05)
+  return params.matmul_flops(n, n, n) / seconds / 1e12
 
 
 def bench(backend: str) -> dict:
@@ -74,28 +70,19 @@ def bench(backend: str) -> dict:
     compile_s = time.perf_counter() - t
     print(f"{backend}: compiled the train step in {compile_s:.1f} s",
           flush=True)
-    train = compiled
-    for i in range(3):
-      state, metrics = train(state, batches[i % 4])
-    jax.block_until_ready(metrics)
-    times = []
-    for i in range(FLAGS.steps):
-      t = time.perf_counter()
-      state, metrics = train(state, batches[i % 4])
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - t)
+    step_s, _, metrics = timing.time_steps(compiled, state, batches,
+                                           reps=FLAGS.steps, warmup=3)
   except Exception as e:  # pylint: disable=broad-except
     return {"backend": backend, "error": f"{type(e).__name__}: "
                                          f"{str(e).splitlines()[0][:300]}"}
-  step_s = statistics.median(times)
   tps = B * T / step_s
-  fpt = params.flops_per_token(mcfg, T)
-  peak = peak_flops()
+  fpt = params.flops_per_token(mcfg, T, mtp_depth=tcfg.mtp_depth)
   mem = jax.devices()[0].memory_stats() or {}
-  return {"backend": backend, "compile_s": compile_s, "step_s": step_s,
+  return {"backend": backend, "settings": mcfg.settings.to_dict(),
+          "compile_s": compile_s, "step_s": step_s,
           "tokens_per_sec": tps,
           "model_tflops": tps * fpt / 1e12,
-          "mfu": tps * fpt / peak if peak else None,
+          "mfu": params.mfu(tps, fpt, peak_flops()),
           "peak_memory_gib": mem.get("peak_bytes_in_use", 0) / 2**30,
           "loss": float(metrics["loss"])}
 

@@ -37,9 +37,14 @@ RAGGED_DECOMPOSER_FLAG = (
     "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true")
 
 
-def define(flag_values: flags.FlagValues = FLAGS) -> None:
-  """Define the mesh, multi-host and Settings flags (absl) in `flag_values`."""
+def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
+  """Define the mesh, multi-host and Settings flags (absl) in `flag_values`.
+
+  `defaults` are a script's own defaults for some of them, e.g.
+  define(moe_capacity_factor=1.5) (experiments/bench_scaling.py).
+  """
   d = dict(flag_values=flag_values)
+  before = set(flag_values)
   flags.DEFINE_string(
       "mesh", "", "Device mesh AXIS=SIZE,... over data, fsdp, expert, tensor "
       "(e.g. data=2,fsdp=2,expert=2,tensor=1; sizes multiply to the number "
@@ -53,8 +58,8 @@ def define(flag_values: flags.FlagValues = FLAGS) -> None:
       "mosaic, triton, or tiles as mosaic:BK.BK_DQ.BQ_DKV.STAGES "
       "(kernels.tree_attention.TreeAttentionConfig.from_string).", **d)
   flags.DEFINE_string("gmm_backend", "auto", "Experts' grouped matmul: auto, "
-                      "xla (ragged_dot) or mosaic (Hopper); triton only "
-                      "interprets (CPU tests).", **d)
+                      "xla (ragged_dot) or mosaic (Hopper); triton runs only "
+                      "interpreted (Settings.interpret, CPU tests).", **d)
   flags.DEFINE_string("gmm_tiles", "", "Mosaic grouped-matmul tiles "
                       "TILE_N.TILE_K.STAGES for every shape (empty: the "
                       "widest tile that fits each shape).", **d)
@@ -88,6 +93,12 @@ def define(flag_values: flags.FlagValues = FLAGS) -> None:
       "heartbeat_timeout", sharding.HEARTBEAT_TIMEOUT_S,
       "Multi-host: seconds without heartbeats after which a process counts "
       "as dead and the coordinator ends every other process.", **d)
+  ours = set(flag_values) - before
+  for name, value in defaults.items():
+    if name not in ours:
+      raise ValueError(f"run_flags.define: {name!r} is not one of its flags "
+                       f"{sorted(ours)}")
+    flag_values.set_default(name, value)
 
 
 def xla_flags_for(mesh_spec: str, all_to_all: str, decomposer: bool,
@@ -138,25 +149,33 @@ def settings_from_flags(
       remat=f.remat)
 
 
-def from_flags():
-  """(mesh or None, Settings) from the flags of `define`.
+def extend_xla_flags(mesh_spec: str, all_to_all: str,
+                     decomposer: bool) -> bool:
+  """Extend XLA_FLAGS as xla_flags_for says (before JAX touches a device);
+  True if it changed."""
+  old = os.environ.get("XLA_FLAGS", "")
+  new = xla_flags_for(mesh_spec, all_to_all, decomposer, old)
+  if new != old:
+    os.environ["XLA_FLAGS"] = new
+  return new != old
+
+
+def from_flags(flag_values: flags.FlagValues = FLAGS):
+  """(mesh or None, Settings) from the flags of `define` in `flag_values`.
 
   Call it in `main` before anything touches a device: it may extend
   XLA_FLAGS (--ragged_decomposer) and initialise the multi-host runtime.
   """
-  settings = settings_from_flags()  # bad values fail before any work
-  old = os.environ.get("XLA_FLAGS", "")
-  new = xla_flags_for(FLAGS.mesh, FLAGS.all_to_all, FLAGS.ragged_decomposer,
-                      old)
-  if new != old:
-    os.environ["XLA_FLAGS"] = new
-  if FLAGS.distributed or FLAGS.coordinator_address is not None:
+  f = flag_values
+  settings = settings_from_flags(f)  # bad values fail before any work
+  extended = extend_xla_flags(f.mesh, f.all_to_all, f.ragged_decomposer)
+  if f.distributed or f.coordinator_address is not None:
     sharding.initialize_distributed(
-        FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-        heartbeat_timeout_s=FLAGS.heartbeat_timeout)
-  mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
+        f.coordinator_address, f.num_processes, f.process_id,
+        heartbeat_timeout_s=f.heartbeat_timeout)
+  mesh = sharding.make_mesh(f.mesh) if f.mesh else None
   check_exchange(settings, mesh)
-  if new != old:  # said once the run is known to go ahead
+  if extended:  # said once the run is known to go ahead
     logging.warning("XLA_FLAGS += %s (--noragged_decomposer to leave it out)",
                     RAGGED_DECOMPOSER_FLAG)
   return mesh, settings

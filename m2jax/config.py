@@ -17,6 +17,7 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from m2jax.errors import UserError
 from m2jax.settings import Settings
@@ -272,7 +273,14 @@ def config_to_dict(config) -> dict:
 
 def config_from_dict(cls, d: dict):
   """The inverse of config_to_dict (lists become tuples, validated again);
-  unsaved fields take their defaults."""
+  unsaved fields take their defaults.
+
+  A model config saved before a field moved to Settings (_MOVED_TO_SETTINGS:
+  how a step runs, which each run now chooses) still reads: the field is
+  dropped with a warning. (An --override naming it is refused instead:
+  apply_overrides.)
+  """
+  d = without_moved_fields(cls, d)
   known = {f.name for f in _saved_fields(cls)}
   unknown = sorted(set(d) - known)
   if unknown:
@@ -303,6 +311,22 @@ def _parse_value(field: dataclasses.Field, current, text: str):
 # ModelConfig fields that became Settings fields (m2jax.settings).
 _MOVED_TO_SETTINGS = {"gmm_backend": "gmm_backend",
                       "attention_impl": "attention", "remat": "remat"}
+
+
+def without_moved_fields(cls, d: dict, *, warn: bool = True) -> dict:
+  """`d`, a saved config of `cls`, without the ModelConfig fields that
+  moved to Settings (saved by runs made before the move), with a warning
+  naming them unless `warn` is False."""
+  moved = sorted(k for k in d if k in _MOVED_TO_SETTINGS)
+  if cls is not ModelConfig or not moved:
+    return d
+  if warn:
+    warnings.warn(
+        f"ModelConfig: ignoring {moved} of a saved config: how a step runs "
+        f"is now m2jax.settings.Settings "
+        f"({', '.join(_MOVED_TO_SETTINGS[k] for k in moved)}), chosen by "
+        f"each run's flags", stacklevel=3)
+  return {k: v for k, v in d.items() if k not in moved}
 
 
 def apply_overrides(config, overrides) -> object:

@@ -8,7 +8,10 @@ no memory used), so they can never drift from the code. Conventions:
   active_params_non_embedding
                    what one token touches outside embedding and lm_head:
                    everything but the experts, plus top_k / E of the experts;
-  active_params    the same plus the embedding and lm_head matrices.
+  active_params    the same plus the embedding and lm_head matrices;
+  mtp_active_params_per_module
+                   what one token touches in one MTP module (its
+                   projection, norms and blocks, top_k / E of its experts).
 
 For MiniMax-M2 this gives 228,689,764,864 total and 9,801,359,872 active
 non-embedding. The paper's "229.9B" is 1.21B more than the config gives
@@ -73,11 +76,18 @@ def count_params(config: ModelConfig) -> dict:
     experts_active = (main["experts"] * config.num_experts_per_tok
                       // config.num_experts)
   active_non_emb = total - vocab - main["experts"] + experts_active
+  mtp_active = 0
+  if config.num_mtp_modules:  # the modules are alike
+    mtp_experts_active = (mtp["experts"] * config.num_experts_per_tok
+                          // config.num_experts)
+    mtp_active = ((sum(mtp.values()) - mtp["experts"] + mtp_experts_active)
+                  // config.num_mtp_modules)
   return {
       "total_params": total,
       "active_params": active_non_emb + vocab,
       "active_params_non_embedding": active_non_emb,
       "mtp_params": sum(mtp.values()),
+      "mtp_active_params_per_module": mtp_active,
       "breakdown": {k: v for k, v in main.items() if v},
       "mtp_breakdown": {k: v for k, v in mtp.items() if v},
   }
@@ -122,16 +132,40 @@ def train_flops(config: ModelConfig, tokens: int,
   return 2 * FWD_BWD * counts["active_params"] * tokens + attn
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+def flops_per_token(config: ModelConfig, seq_len: int, *,
+                    mtp_depth: int) -> int:
   """Training FLOPs per token of full rows of `seq_len` causal tokens:
   2 x FWD_BWD per active parameter plus attention, where a token sees on
-  average half its row (or half its window) in each layer."""
+  average half its row (or half its window) in each layer. Each of the
+  `mtp_depth` MTP modules a step trains (TrainConfig.mtp_depth) adds its
+  active parameters, the shared lm_head it predicts through (its embedding
+  read is a lookup, not a matmul) and its blocks' full causal attention."""
+  if not 0 <= mtp_depth <= config.num_mtp_modules:
+    raise ValueError(f"flops_per_token: mtp_depth must be in [0, "
+                     f"{config.num_mtp_modules}] (the model's MTP modules), "
+                     f"got {mtp_depth}")
   counts = count_params(config)
   entries = 0
   for layer in range(config.num_layers):
     window = config.layer_window(layer)
     span = seq_len if window is None else min(window, seq_len)
     entries += span / 2
+  entries += mtp_depth * config.mtp_transformer_layers * seq_len / 2
   attn = attention_flops(entries, config.num_heads, config.head_dim,
                          backward=True)
-  return int(2 * FWD_BWD * counts["active_params"] + attn)
+  weights = counts["active_params"] + mtp_depth * (
+      counts["mtp_active_params_per_module"]
+      + counts["breakdown"].get("lm_head", 0))
+  return int(2 * FWD_BWD * weights + attn)
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float,
+        peak_flops_per_device: float | None,
+        num_devices: int = 1) -> float | None:
+  """Model FLOPs utilisation: the model FLOP/s achieved (`flops_per_token`
+  from flops_per_token) over the dense peak of the `num_devices` devices
+  that ran them; None where the peak is unknown (a CPU)."""
+  if not peak_flops_per_device:
+    return None
+  return (tokens_per_sec * flops_per_token
+          / (peak_flops_per_device * num_devices))

@@ -26,7 +26,7 @@ Where each field is read:
   interpret        both kernels (Pallas interpreters on a CPU)
   all_to_all, capacity_factor, exchange_chunks
                    m2jax/model/moe.py -> m2jax/model/expert_parallel.py
-  remat            m2jax/model/transformer.py
+  remat            m2jax/model/block.py
 """
 
 from __future__ import annotations
@@ -66,11 +66,14 @@ class Settings:
   paged_attention: backend and tiles of the decode attention over the paged
     KV cache (kernels.paged_attention.PagedAttentionConfig); generation.
   gmm_backend: the experts' grouped matmul, "auto" | "xla" | "mosaic" |
-    "triton" (kernels.gmm.BACKENDS).
+    "triton" (kernels.gmm.BACKENDS); "triton" needs interpret=True (Triton
+    rejects the compiled kernel on an H100: kernels/gmm.py).
   gmm_tiles: Mosaic tile config for every grouped matmul, or None to pick
     the widest that fits each shape (kernels.gmm_mosaic.pick_config).
   interpret: run the chosen Pallas kernels in Pallas' interpreters (CPU
-    tests of the kernel paths); it also sets tree_attention.interpret.
+    tests of the kernel paths). The one switch for every kernel: it sets
+    tree_attention.interpret and paged_attention.interpret, and the MoE
+    passes it to the grouped matmul.
   all_to_all: expert-parallel exchange, "ragged" (ragged_all_to_all; GPU and
     TPU), "dense" (its exact emulation; any backend), "slabs" (fixed
     per-peer slabs sized by capacity_factor; NCCL's all-to-all) or "auto"
@@ -106,6 +109,10 @@ class Settings:
       gmm_lib.check_backend(self.gmm_backend)
     except ValueError as e:
       raise SettingsError(f"Settings.gmm_backend: {e}") from None
+    if self.gmm_backend == "triton" and not self.interpret:
+      _fail("gmm_backend", "'triton' runs only with interpret=True (Triton "
+            "rejects its compiled form on an H100); use 'mosaic' or 'xla'",
+            self.gmm_backend)
     if self.gmm_tiles is not None and not isinstance(self.gmm_tiles,
                                                      TileConfig):
       _fail("gmm_tiles", "must be None or a kernels.gmm_mosaic.TileConfig",
@@ -136,7 +143,17 @@ class Settings:
       _fail("remat", "must be True or False", self.remat)
 
   def replace(self, **changes) -> "Settings":
-    """A copy with `changes` applied (validated again)."""
+    """A copy with `changes` applied (validated again).
+
+    A new `interpret` reaches the kernel configs too (they hold a copy of
+    it), so `s.replace(interpret=False)` undoes `interpret=True`.
+    """
+    if isinstance(changes.get("interpret"), bool):  # else __post_init__ says
+      for name in ("tree_attention", "paged_attention"):
+        cfg = changes.get(name, getattr(self, name))
+        if isinstance(cfg, (TreeAttentionConfig, PagedAttentionConfig)):
+          changes[name] = dataclasses.replace(
+              cfg, interpret=changes["interpret"])
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict:

@@ -15,7 +15,7 @@ from m2jax import config as config_lib
 from m2jax import model
 from m2jax.data import DataConfig
 from m2jax.model.layers import positions_from_segments
-from m2jax.train import losses, mtp_growth, schedules
+from m2jax.train import losses, mtp_growth, optim, schedules
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -384,3 +384,40 @@ def test_experiment_continues_one_schedule_and_runs_both_arms(
     mtp_growth.run_experiment(MCFG, dcfg, str(tmp_path / "never"),
                               **dict(kwargs, mtp_only_max_steps=4))
   assert not (tmp_path / "never").exists()
+
+
+def test_carry_state_with_muon_and_refuses_to_carry_nothing():
+  """Under Muon (Muon and AdamW families, masked leaves in each) every
+  moment of an existing parameter and every step count is carried, the new
+  modules' moments start at zero; an optimizer change that leaves nothing
+  to carry is refused."""
+  schedule = mtp_growth.growth_schedule(
+      base_steps=7, growth_steps=5, learning_rate=1e-3, decay_fraction=0.5)
+  base_tc = schedule.replace(mtp_depth=1, optimizer="muon")
+  mtp_only_tc = base_tc.replace(mtp_depth=3, mtp_only=True)
+  base = _trained(MCFG, base_tc, _random_variables(MCFG), 7, seed=1)
+  grown_cfg, grown = mtp_growth.grow_mtp(MCFG, state_lib.variables_of(base), 3)
+  start = mtp_growth.carry_state(grown_cfg, mtp_only_tc, grown,
+                                 (base_tc, base))
+  assert int(start.step) == 7 and set(_counts(start)) == {7}
+  flat = lambda tc, s: {
+      jax.tree_util.keystr(p): x for p, x in
+      jax.tree_util.tree_flatten_with_path(
+          optim.joint_opt_state(tc, s.opt_state), is_leaf=optim.is_masked)[0]
+      if not optim.is_masked(x)}
+  before, after = flat(base_tc, base), flat(mtp_only_tc, start)
+  new = [p for p in after if "'mtp_1'" in p or "'mtp_2'" in p]
+  is_muon = lambda p: "['muon']" in p and ".mu[" in p
+  muon_new = [p for p in new if is_muon(p)]
+  assert muon_new and all(not np.any(after[p]) for p in new)
+  kept = [p for p in after if p not in new]
+  assert any(is_muon(p) and "'mtp_0'" in p for p in kept)
+  assert {p for p in kept if np.ndim(after[p])} == {
+      p for p in before if np.ndim(before[p]) and "'layers_" not in p
+      and "'embedding'" not in p and "'lm_head'" not in p
+      and "'final_norm'" not in p}  # frozen: no state in this phase
+  for p in kept:
+    np.testing.assert_array_equal(after[p], before[p], err_msg=p)
+  with pytest.raises(ValueError, match="no parameter's optimizer state"):
+    mtp_growth.carry_state(grown_cfg, mtp_only_tc.replace(optimizer="adamw"),
+                           grown, (base_tc, base))

@@ -133,3 +133,25 @@ def test_train_step_over_rows_equals_one_batch():
   bias = one_state.expert_bias
   assert float(jnp.abs(bias["layers_0"]["moe"]["bias"]).max()) > 0
   assert float(jnp.abs(bias["mtp_0"]["block_0"]["moe"]["bias"]).max()) > 0
+
+
+def test_routing_means_over_micro_batches_equal_the_one_batch_value():
+  """The router entropy (a mean over tokens) and aux loss (a mean over
+  documents) of a step over micro-batches are the one-batch values, not
+  their sum; the loads add up."""
+  _, trees, groups = _batch(seed=2)
+  variables = model.init(CFG, jax.random.key(1))
+  tcfg = TrainConfig(learning_rate=1e-2, warmup_steps=0)
+  step = jax.jit(functools.partial(rl_step.train_step, model_config=CFG,
+                                   train_config=tcfg, config=RL))
+  state = state_lib.init_state(CFG, tcfg, variables)
+  metrics = [step(state, rl_step.stack_batches(rl_step.make_batches(
+      trees, groups, RL, rows_per_batch=rows)))[1] for rows in (2, None)]
+  assert int(trees.tokens.shape[0]) > 2  # at least two micro-batches
+  for key in ("router/entropy", "router/aux_loss", "router/load_cv",
+              "mtp/router/entropy", "mtp/router/aux_loss"):
+    np.testing.assert_allclose(metrics[0][key], metrics[1][key], rtol=1e-5,
+                               err_msg=key)
+  # Meaningful values: the aux loss is about 1 when balanced.
+  assert 0.5 < float(metrics[1]["router/aux_loss"]) < 4
+  assert float(metrics[1]["router/entropy"]) > 0

@@ -1,6 +1,8 @@
 """Settings (how a step runs): validation, never saved with the model, part
 of every jit cache key, and the one path from a flag to the layer."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,8 @@ CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=0)
     ({"tree_attention": "mosaic"}, "tree_attention"),
     ({"tree_attention": TreeAttentionConfig(interpret=True)},
      "tree_attention"),
+    # The Triton grouped matmul only runs interpreted (kernels/gmm.py).
+    ({"gmm_backend": "triton"}, "gmm_backend"),
 ])
 def test_validation_names_the_field(changes, field):
   with pytest.raises(SettingsError, match=f"Settings.{field}"):
@@ -38,6 +42,28 @@ def test_interpret_is_one_switch_for_both_kernels():
                interpret=True)
   assert s.tree_attention.interpret and s.tree_attention.backend == "triton"
   assert not Settings().tree_attention.interpret
+  assert Settings(gmm_backend="triton", interpret=True).gmm_backend == "triton"
+
+
+def test_replace_interpret_round_trips():
+  """interpret lives on Settings only: replacing it reaches the kernel
+  configs' copies both ways, and other fields survive."""
+  on = Settings(interpret=True, remat=True,
+                tree_attention=TreeAttentionConfig(backend="triton"))
+  off = on.replace(interpret=False)
+  assert not off.interpret
+  assert not off.tree_attention.interpret
+  assert not off.paged_attention.interpret
+  assert off == Settings(remat=True,
+                         tree_attention=TreeAttentionConfig(backend="triton"))
+  assert off.replace(interpret=True) == on
+  assert hash(off.replace(interpret=True)) == hash(on)
+  # A kernel config given with the change takes the new value too.
+  both = off.replace(interpret=True,
+                     tree_attention=TreeAttentionConfig(backend="mosaic"))
+  assert both.tree_attention.interpret and both.paged_attention.interpret
+  with pytest.raises(SettingsError, match="Settings.interpret"):
+    on.replace(interpret="no")
 
 
 def test_settings_are_not_saved_with_the_model():
@@ -150,3 +176,42 @@ def test_gmm_settings_reach_the_experts(monkeypatch):
   out = model.logits(cfg, v, jnp.zeros((1, 4), jnp.int32))
   assert np.isfinite(np.asarray(out)).all()
   assert seen and all(s == ("xla", tiles, False) for s in seen)
+
+
+def test_from_flags_reads_the_given_flag_values(monkeypatch):
+  """from_flags works on a test's own FlagValues (absl's FLAGS, unparsed
+  here, is never read), and a script may give its own defaults."""
+  jax.devices()  # XLA has read XLA_FLAGS: the value below is never parsed
+  monkeypatch.setenv("XLA_FLAGS", "--a=1")
+  fv = flags.FlagValues()
+  run_flags.define(fv, moe_capacity_factor=1.5)
+  fv(["prog", "--mesh=data=1", "--all_to_all=dense", "--exchange_chunks=2"])
+  mesh, s = run_flags.from_flags(fv)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1,
+                              "tensor": 1}
+  assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
+      1.5, "dense", 2)
+  assert run_flags.extend_xla_flags("expert=2", "ragged", True)
+  assert os.environ["XLA_FLAGS"] == f"--a=1 {run_flags.RAGGED_DECOMPOSER_FLAG}"
+  with pytest.raises(ValueError, match="capacity_factor"):
+    run_flags.define(flags.FlagValues(), capacity_factor=1.5)
+
+
+def test_a_run_saved_before_the_move_to_settings_still_reads():
+  """A saved model config holding fields that moved to Settings (a run made
+  before the move) reads with a warning and matches its checkpoints; an
+  override naming such a field is still refused."""
+  from m2jax.train import checkpoint  # pylint: disable=import-outside-toplevel
+  saved = dict(config_lib.config_to_dict(CFG), remat=True, gmm_backend="xla",
+               attention_impl="xla")
+  with pytest.warns(UserWarning, match="ignoring.*remat.*Settings"):
+    got = config_lib.config_from_dict(config_lib.ModelConfig, saved)
+  assert got == CFG
+  assert checkpoint.config_differences(saved, CFG) == []
+  with pytest.raises(config_lib.ConfigError, match="Settings.remat"):
+    config_lib.apply_overrides(CFG, ["remat=true"])
+  # Other unknown fields are still refused.
+  with pytest.raises(config_lib.ConfigError, match="unknown fields"), \
+       pytest.warns(UserWarning):
+    config_lib.config_from_dict(config_lib.ModelConfig,
+                                dict(saved, no_such_field=1))

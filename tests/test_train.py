@@ -1,5 +1,6 @@
 """Training: falling loss, exact resume after SIGKILL, checkpoint safety."""
 
+import json
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ from m2jax import config as config_lib
 from m2jax import model
 from m2jax.config import ConfigError
 from m2jax.data import DataConfig
+from m2jax.settings import Settings
 from m2jax.train import schedules
 from m2jax.train.checkpoint import Checkpointer
 from m2jax.train.config import TrainConfig
@@ -153,8 +155,13 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, capsys):
 def test_config_mismatch_is_refused_naming_the_field(tmp_path):
   dcfg, tcfg = _configs(tmp_path)
   workdir = str(tmp_path / "run")
-  pretrain(MCFG, tcfg, dcfg, workdir, progress=False, stop_after=3,
-           sample_tokens=0)
+  settings = Settings(attention="xla", capacity_factor=2.0)
+  pretrain(MCFG.replace(settings=settings), tcfg, dcfg, workdir,
+           progress=False, stop_after=3, sample_tokens=0)
+  # The run's Settings are recorded beside its configs (informational: a
+  # resume may run differently).
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    assert json.load(f)["settings"] == settings.to_dict()
   other = MCFG.replace(rope_theta=123.0)
   with pytest.raises(ConfigError, match="rope_theta"):
     pretrain(other, tcfg, dcfg, workdir, progress=False, resume=True)

@@ -45,7 +45,6 @@ import numpy as np
 
 from m2jax.config import ConfigError
 from m2jax.data.config import PACKAGES, STDLIB, DataConfig
-from m2jax.data.config import STDLIB, DataConfig
 from m2jax.errors import MissingPathError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

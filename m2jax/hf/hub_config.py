@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from m2jax.config import FULL, M2_ROUTER_AUX_LOSS_COEF, ModelConfig
-from m2jax.config import FULL, ModelConfig
 from m2jax.errors import UserError
 
 HUB_ARCHITECTURE = "MiniMaxM2ForCausalLM"

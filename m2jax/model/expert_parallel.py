@@ -44,7 +44,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from m2jax.config import ConfigError
 
 # Mesh axes this module reads (m2jax.sharding builds meshes with them).
 EXPERT_AXIS = "expert"

@@ -81,6 +81,10 @@ class RoutingStats(NamedTuple):
   # (token, choice) pairs that found no room in an expert-parallel capacity
   # buffer (int32, all devices); 0 unless a capacity factor is set.
   dropped: jax.Array = 0
+  # Documents the aux loss averages over (int32): with load_E (K x the
+  # counted tokens, which entropy averages over) what it takes to combine
+  # the means of several micro-batches (m2jax.rl.step).
+  documents: jax.Array = 0
 
 
 def document_slots(doc_ids_BxT):
@@ -141,7 +145,8 @@ def summarize_routing(routing: Routing, doc_ids_BxT, num_experts: int,
   ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
   entropy = jnp.sum(ent * counted) / jnp.maximum(counted.sum(), 1.0)
   dropped = jnp.zeros((), jnp.int32) if dropped is None else dropped
-  return RoutingStats(load, aux, entropy, dropped)
+  return RoutingStats(load, aux, entropy, dropped,
+                      num_docs.astype(jnp.int32))
 
 
 def update_expert_bias(bias, load, rate: float):

@@ -20,7 +20,12 @@ batch on the host (`make_batches`), so a batch can be cut into micro-batches
 of rows (a group may straddle rows): their losses, gradients and metrics
 add up to the batch's. `train_step` accumulates them with a scan (memory of
 one micro-batch) and applies the optimizer and the expert-bias update
-(m2jax.train.step.apply_gradients); `grad_step` is one micro-batch.
+(m2jax.train.step.apply_gradients); `grad_step` is one micro-batch. Of the
+routing statistics only the counts add up (expert loads, dropped pairs);
+the router entropy (a mean over tokens) and aux loss (a mean over
+documents) of the batch are the micro-batches' means weighted by their
+tokens and documents, reported as pretraining reports them
+(m2jax.train.losses.routing_metrics).
 
   trees = prefix_tree.pack(seqs, row_len=T, loss_masks=masks, payloads={
       "old_logprobs": old, "advantages": adv})
@@ -48,6 +53,7 @@ from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.rl import cispo
 from m2jax.rl import prefix_tree
+from m2jax.train import losses
 from m2jax.train import state as state_lib
 from m2jax.train import step as train_lib
 from m2jax.train.config import TrainConfig
@@ -170,9 +176,7 @@ def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
   Metrics are weighted sums, so a batch's are the sums over its
   micro-batches.
   """
-  variables = {"params": params}
-  if expert_bias:
-    variables[model.EXPERT_BIAS] = expert_bias
+  variables = state_lib.model_variables(params, expert_bias)
   tokens, parent = batch.tokens, batch.parent
   out = model.forward(model_config, variables, tokens,
                       segment_ids=batch.segment_ids,
@@ -214,15 +218,39 @@ def grad_step(params, expert_bias, batch: RLBatch, *,
   return grads, metrics, routing
 
 
+def _routing_sums(out: model.ModelOutput, invert: bool = False):
+  """`out` with each routing mean times its count (entropy x counted
+  tokens, aux loss x documents), so micro-batches add up; `invert` turns
+  such sums back into means."""
+
+  def convert(stats):
+    if stats is None:
+      return None
+    tokens = jnp.sum(stats.load_E, axis=-1)  # K x the counted tokens
+    docs = stats.documents.astype(jnp.float32)
+    if invert:
+      tokens, docs = 1 / jnp.maximum(tokens, 1), 1 / jnp.maximum(docs, 1)
+    return stats._replace(entropy=stats.entropy * tokens,
+                          aux_loss=stats.aux_loss * docs)
+
+  return out._replace(routing=convert(out.routing),
+                      mtp_routing=convert(out.mtp_routing))
+
+
 def train_step(state: state_lib.TrainState, batches: RLBatch, *,
                model_config: ModelConfig, train_config: TrainConfig,
                config: RLConfig):
   """One policy update over micro-batches stacked on axis 0
-  (`stack_batches`): gradients, metrics and expert loads summed by a scan,
-  then the optimizer and expert-bias update of the pretraining step.
-  Returns the new state and metrics."""
-  step = functools.partial(grad_step, model_config=model_config,
-                           config=config)
+  (`stack_batches`): gradients, metrics and expert loads summed by a scan
+  (routing means weighted, module docstring), then the optimizer and
+  expert-bias update of the pretraining step. Returns the new state and
+  metrics."""
+
+  def step(params, expert_bias, batch):
+    grads, metrics, routing = grad_step(params, expert_bias, batch,
+                                        model_config=model_config,
+                                        config=config)
+    return grads, metrics, _routing_sums(routing)
 
   def body(total, batch):
     part = step(state.params, state.expert_bias, batch)
@@ -233,6 +261,12 @@ def train_step(state: state_lib.TrainState, batches: RLBatch, *,
                        jax.eval_shape(step, state.params, state.expert_bias,
                                       first))
   (grads, metrics, routing), _ = jax.lax.scan(body, zeros, batches)
+  routing = _routing_sums(routing, invert=True)
+  if routing.routing is not None:
+    metrics.update(losses.routing_metrics(routing.routing))
+  if routing.mtp_routing is not None:
+    metrics.update({f"mtp/{k}": v for k, v in
+                    losses.routing_metrics(routing.mtp_routing).items()})
   state, step_metrics = train_lib.apply_gradients(
       state, grads, routing, model_config=model_config,
       train_config=train_config)

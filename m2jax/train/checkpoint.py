@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 
-from m2jax.config import ConfigError, config_to_dict
+from m2jax.config import ConfigError, config_to_dict, without_moved_fields
 from m2jax.errors import MissingPathError, UserError
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ def write_json(path: str, obj) -> None:
 def config_differences(saved: dict, config) -> list[tuple[str, Any, Any]]:
   """(field, saved value, this config's value) wherever the two differ."""
   current = config_to_dict(config)
+  # A run saved before some fields moved to Settings still matches.
+  saved = without_moved_fields(type(config), saved, warn=False)
   return [(field, saved.get(field), current.get(field))
           for field in sorted(set(saved) | set(current))
           if saved.get(field) != current.get(field)]

@@ -268,7 +268,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   meta = {"model": config_to_dict(mcfg), "train": config_to_dict(tcfg),
           "data": config_to_dict(saved_data)}
   if primary:
-    ckpt_lib.write_json(os.path.join(workdir, "config.json"), meta)
+    ckpt_lib.write_json(os.path.join(workdir, "config.json"),
+                        dict(meta, settings=mcfg.settings.to_dict()))
 
   stage = _stage_at(stages, start)
   sdcfg = stages[stage][1]
@@ -283,7 +284,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   bar = tqdm(total=tcfg.steps, initial=start, disable=not (progress and primary),
              desc="pretrain", unit="step", dynamic_ncols=True)
   total_terms = loss_terms(mcfg, tcfg)
-  flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+  flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len,
+                                               mtp_depth=tcfg.mtp_depth)
   peak = peak_flops()
   end = tcfg.steps if stop_after is None else min(stop_after, tcfg.steps)
 
@@ -312,7 +314,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
           stage = _stage_at(stages, step)
           sdcfg = stages[stage][1]
           train_it = _stage_iterator(stages, stage, tokenizer, ended, mesh)
-          flops_per_token = params_lib.flops_per_token(mcfg, sdcfg.seq_len)
+          flops_per_token = params_lib.flops_per_token(
+              mcfg, sdcfg.seq_len, mtp_depth=tcfg.mtp_depth)
           bar.write(f"step {step}: context stage {stage}, seq_len "
                     f"{sdcfg.seq_len}, batch {sdcfg.batch_size}")
         batch = next(train_it)
@@ -327,7 +330,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
           metrics["tokens_per_sec"] = tps
           metrics["seq_len"] = sdcfg.seq_len
           if peak:
-            metrics["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+            metrics["mfu"] = params_lib.mfu(tps, flops_per_token, peak,
+                                            jax.device_count())
           writer.write(done, metrics)
           summary["train_next_token_loss"] = float(metrics["ce"])
           summary["train_total_loss"] = float(metrics["loss"])

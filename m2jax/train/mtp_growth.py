@@ -64,14 +64,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.data import make_dataset, make_tokenizer
 from m2jax.errors import ExistingPathError
 from m2jax.train import checkpoint as ckpt_lib
-from m2jax.train import losses, schedules
+from m2jax.train import losses, optim, schedules
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.loop import pretrain
@@ -166,30 +165,6 @@ class Plateau:
     return self.settled
 
 
-def _joint_layout(train_config: TrainConfig, opt_state):
-  """The optimizer state in the layout of the all-parameter optimizer.
-
-  Under `mtp_only`, optim.make_optimizer wraps that optimizer in a
-  multi_transform whose "train" group holds it, frozen leaves masked out.
-  """
-  if not train_config.mtp_only:
-    return opt_state
-  return opt_state.inner_states["train"].inner_state
-
-
-def _with_joint_layout(train_config: TrainConfig, opt_state, inner):
-  """`opt_state` with its `_joint_layout` part replaced by `inner`."""
-  if not train_config.mtp_only:
-    return inner
-  groups = dict(opt_state.inner_states)
-  groups["train"] = groups["train"]._replace(inner_state=inner)
-  return opt_state._replace(inner_states=groups)
-
-
-def _is_masked(x) -> bool:
-  return isinstance(x, optax.MaskedNode)
-
-
 def carry_state(model_config: ModelConfig, train_config: TrainConfig,
                 variables, *sources) -> state_lib.TrainState:
   """The train state that continues `sources` under `train_config`.
@@ -207,13 +182,15 @@ def carry_state(model_config: ModelConfig, train_config: TrainConfig,
   held = {}
   for src_config, src in reversed(sources):
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        _joint_layout(src_config, src.opt_state), is_leaf=_is_masked)
+        optim.joint_opt_state(src_config, src.opt_state),
+        is_leaf=optim.is_masked)
     held.update({jax.tree_util.keystr(path): leaf for path, leaf in flat
-                 if not _is_masked(leaf)})
+                 if not optim.is_masked(leaf)})
   fresh = state_lib.init_state(model_config, train_config, variables)
+  carried_moments = []
 
   def take(path, leaf):
-    if _is_masked(leaf):
+    if optim.is_masked(leaf):
       return leaf
     old = held.get(jax.tree_util.keystr(path))
     if old is None:
@@ -222,13 +199,23 @@ def carry_state(model_config: ModelConfig, train_config: TrainConfig,
       raise ValueError(f"optimizer state {jax.tree_util.keystr(path)}: "
                        f"shape {np.shape(old)} in the source, "
                        f"{np.shape(leaf)} here")
+    if np.ndim(leaf):  # not a step count
+      carried_moments.append(path)
     return old
 
   inner = jax.tree_util.tree_map_with_path(
-      take, _joint_layout(train_config, fresh.opt_state), is_leaf=_is_masked)
+      take, optim.joint_opt_state(train_config, fresh.opt_state),
+      is_leaf=optim.is_masked)
+  if not carried_moments:
+    raise ValueError(
+        f"carry_state: no parameter's optimizer state in the sources has a "
+        f"place in this phase's (optimizer "
+        f"{[c.optimizer for c, _ in sources]} -> {train_config.optimizer!r}): "
+        f"every moment would restart from zero")
   return fresh._replace(
       step=jnp.asarray(sources[0][1].step, jnp.int32),
-      opt_state=_with_joint_layout(train_config, fresh.opt_state, inner))
+      opt_state=optim.replace_joint_opt_state(train_config, fresh.opt_state,
+                                              inner))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

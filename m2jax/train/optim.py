@@ -35,12 +35,13 @@ space, stay on AdamW, and so does the router gate, which is a small output
 head over experts. Attention q/k/v/o are orthogonalised as one matrix over
 all heads; `expert` is a batch axis, so each expert is orthogonalised on its
 own. Muon's update is scaled by sqrt(max(1, fan_out / fan_in)) (optax's
-default) and shares the learning-rate schedule with AdamW. Weight decay is decoupled (AdamW style, times the learning rate) and
-applies to every weight matrix, embedding, lm_head and MTP projection
-included, but never to a gain (decay would pull the normalised activations
-towards zero, not regularise a map) and not to the router gate: its scale is
-the routing temperature that the expert bias (SPEC §1) is compared against,
-so decay would slowly hand expert choice from the scores to the bias.
+default) and shares the learning-rate schedule with AdamW. Weight decay is
+decoupled (AdamW style, times the learning rate) and applies to every weight
+matrix, embedding, lm_head and MTP projection included, but never to a gain
+(decay would pull the normalised activations towards zero, not regularise a
+map) and not to the router gate: its scale is the routing temperature that
+the expert bias (SPEC §1) is compared against, so decay would slowly hand
+expert choice from the scores to the bias.
 
 Both optimizers share one decay transformation and one mask, so they agree on
 which parameters decay by construction. The AdamW kinds get the same AdamW
@@ -244,3 +245,31 @@ def make_optimizer(config: TrainConfig,
     opt = optax.multi_transform(
         {"train": opt, "frozen": optax.set_to_zero()}, labels)
   return opt
+
+
+# Where make_optimizer's state keeps what (m2jax.train.mtp_growth.carry_state
+# reads and writes the moments and step counts here).
+
+def joint_opt_state(config: TrainConfig, opt_state):
+  """The state of the all-parameter optimizer inside `opt_state` (made by
+  make_optimizer(config, ...)): `opt_state` itself, or under `mtp_only`
+  the "train" group of the multi_transform, frozen leaves masked out
+  (optax.MaskedNode: see is_masked)."""
+  if not config.mtp_only:
+    return opt_state
+  return opt_state.inner_states["train"].inner_state
+
+
+def replace_joint_opt_state(config: TrainConfig, opt_state, inner):
+  """`opt_state` with its joint_opt_state part replaced by `inner`."""
+  if not config.mtp_only:
+    return inner
+  groups = dict(opt_state.inner_states)
+  groups["train"] = groups["train"]._replace(inner_state=inner)
+  return opt_state._replace(inner_states=groups)
+
+
+def is_masked(x) -> bool:
+  """Whether an optimizer-state leaf is a placeholder for a parameter the
+  transformation does not see (frozen, or of the other Muon family)."""
+  return isinstance(x, optax.MaskedNode)
