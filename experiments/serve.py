@@ -14,6 +14,7 @@ other than loopback is refused without one. Routes: GET /v1/models, POST
 import os
 
 from absl import flags, logging
+import jax
 
 from experiments import cli, engine_flags, run_flags
 from m2jax.infer.engine import EngineConfig
@@ -61,8 +62,11 @@ def main(argv):
                    mtp_draft=FLAGS.mtp_draft),
       tokenizer=tokenizer, mesh=mesh,
       policy_version=FLAGS.policy_version).start()
+  device = jax.devices()[0]
   print(f"# serving {source} as {name!r} on http://{FLAGS.host}:{FLAGS.port}"
-        f"/v1 ({'key required' if api_key else 'no key'})", flush=True)
+        f"/v1 ({'key required' if api_key else 'no key'}), "
+        f"{jax.device_count()} x {getattr(device, 'device_kind', device)}",
+        flush=True)
   try:
     app_lib.serve(loop, model_name=name, host=FLAGS.host, port=FLAGS.port,
                   api_key=api_key, log_level=FLAGS.log_level)

@@ -5,7 +5,10 @@ schema fuzzed with schemathesis, and the streaming pieces alone."""
 import asyncio
 import functools
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +23,7 @@ import schemathesis
 from schemathesis import checks as st_checks
 from schemathesis.specs.openapi import checks as oa_checks
 
+from benchmarks import serve_load
 from m2jax import config as config_lib
 from m2jax import model
 from m2jax.data import ByteTokenizer, chat
@@ -545,3 +549,29 @@ def test_fuzz_the_openapi_schema(server):
                              timeout=30)
         case.validate_response(response, checks=checks)
       check()
+
+
+# ------------------------------------------------ the load benchmark --
+
+def test_load_benchmark_counts_nothing_lost_or_corrupted(server):
+  """benchmarks/serve_load.py against the live server: every stream checks
+  out, and batched greedy answers equal the ones sent alone."""
+  prompts = [[TOK.bos_id, 40 + i, 41, 42] for i in range(3)]
+  r = serve_load.run_load(server.url, KEY, NAME, prompts, clients=4,
+                          requests_per_client=2, max_tokens=6,
+                          tokenizer=TOK, warmup=False)
+  assert (r["requests"], r["lost"], r["corrupted"], r["differs_from_alone"],
+          r["alone_failed"]) == (8, 0, 0, 0, 0), r["problems"]
+  assert r["completion_tokens"] == 8 * 6
+  assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+
+
+def test_serve_refuses_a_public_host_without_a_key():
+  """experiments.serve stops with one line before loading anything."""
+  env = {k: v for k, v in os.environ.items() if k != "M2JAX_API_KEY"}
+  p = subprocess.run([sys.executable, "-m", "experiments.serve",
+                      "--preset=tiny", "--host=0.0.0.0"], env=env,
+                     capture_output=True, text=True, timeout=120,
+                     check=False)
+  [line] = p.stderr.strip().splitlines()
+  assert p.returncode == 2 and line.startswith("error: --host=0.0.0.0")
