@@ -463,22 +463,31 @@ def test_a_closed_stream_frees_its_pages(server):
 
 
 def test_concurrent_requests_share_decode_steps(server):
+  """Requests join a running batch: while one long stream is decoding,
+  three more requests arrive and are decoded in the same steps (and get
+  the answers they get alone)."""
   loop = server.loop
   _wait_idle(loop)
   loop.stats["max_rows"] = 0
+  c = _client(server)
+  stream = c.completions.create(model=NAME, prompt=[3, 4], max_tokens=120,
+                                temperature=0, stream=True)
+  next(iter(stream))            # the long request is decoding now
 
-  async def many():
+  async def more():
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY,
                                   max_retries=0) as client:
       return await asyncio.gather(*[
-          client.completions.create(model=NAME, prompt=[3 + i, 4],
-                                    max_tokens=16, temperature=0)
-          for i in range(4)])
-  out = asyncio.run(many())
+          client.completions.create(model=NAME, prompt=[5 + i, 4],
+                                    max_tokens=8, temperature=0)
+          for i in range(3)])
+  out = asyncio.run(more())
+  assert loop.engine.has_work()  # the long one is still going
+  stream.close()
   assert loop.stats["max_rows"] > 1
-  for i, r in enumerate(out):   # batching changes no answer
+  for i, r in enumerate(out):    # batching changes no answer
     assert r.choices[0].token_ids == _reference(
-        [3 + i, 4], SamplingParams(temperature=0, max_tokens=16,
+        [5 + i, 4], SamplingParams(temperature=0, max_tokens=8,
                                    stop_token_ids=(TOK.eos_id,)))[0].tokens
 
 
