@@ -1,4 +1,4 @@
-"""Generate completions from a training run or a hub checkpoint.
+r"""Generate completions from a training run or a hub checkpoint.
 
   python -m experiments.generate --workdir=runs/demo --prompt="def "
   python -m experiments.generate --workdir=runs/demo --prompt="import " \

@@ -14,6 +14,10 @@ is an error, not a different answer. Extensions to OpenAI's shapes:
   response  policy_version: the version of the weights that answered
             (m2jax/serve/loop.py)
 
+Log-probs are those of the sampled tokens only: OpenAI's `top_logprobs`
+come back null (completions) or empty (chat), as the engine computes no
+alternatives.
+
 Every error is OpenAI's shape, {"error": {"message", "type", "param",
 "code"}}, with a 4xx status for what the client sent and 500 for a failure
 of the engine.
