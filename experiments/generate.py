@@ -1,4 +1,4 @@
-"""Generate completions from a training run or a hub checkpoint.
+r"""Generate completions from a training run or a hub checkpoint.
 
   python -m experiments.generate --workdir=runs/demo --prompt="def "
   python -m experiments.generate --workdir=runs/demo --prompt="import " \
@@ -6,6 +6,7 @@
   python -m experiments.generate --workdir=runs/mtp_growth/copy/joint \
       --prompt="def " --mtp_draft=3        # MTP speculative decoding
   python -m experiments.generate --hf_path=/path/to/ckpt --prompt_ids=1,42,7
+  python -m experiments.generate --preset=tiny --prompt="a"   # random weights
 
 RUN is an experiments.pretrain / mtp_growth work directory: its newest
 checkpoint and its tokenizer are used, the prompt is BOS + the encoded text,
@@ -19,16 +20,12 @@ import time
 from absl import flags, logging
 import numpy as np
 
-from experiments import cli, run_flags
-from m2jax import hf
+from experiments import cli, engine_flags, run_flags
 from m2jax.errors import UserError
-from m2jax.eval import runs
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "A pretrain/mtp_growth run directory.")
-flags.DEFINE_string("hf_path", None, "A hub checkpoint directory instead.")
 flags.DEFINE_string("prompt", None, "Prompt text (needs the run's tokenizer).")
 flags.DEFINE_list("prompt_ids", None, "Prompt token ids instead of text.")
 flags.DEFINE_integer("max_tokens", 64, "New tokens per sample at most.")
@@ -38,21 +35,9 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
 flags.DEFINE_integer("seed", None, "Random seed (default: drawn).")
 flags.DEFINE_integer("n", 1, "Samples of the prompt.")
 flags.DEFINE_multi_string("stop", [], "Stop strings (repeatable).")
-flags.DEFINE_integer("mtp_draft", 0, "MTP speculative draft tokens per step.")
 flags.DEFINE_bool("logprobs", False, "Print token ids and log-probs.")
-flags.DEFINE_integer("page_size", 16, "KV cache page size (tokens).")
-flags.DEFINE_integer("num_pages", 512, "KV cache pages.")
+engine_flags.define()  # --workdir/--hf_path/--preset, the KV cache, MTP
 run_flags.define()  # --mesh, the Settings flags, multi-host
-
-
-def _load():
-  if (FLAGS.workdir is None) == (FLAGS.hf_path is None):
-    raise UserError("give exactly one of --workdir and --hf_path")
-  if FLAGS.workdir is not None:
-    cfg, _, tokenizer, variables, step = runs.load_run(FLAGS.workdir)
-    return cfg, variables, tokenizer, f"{FLAGS.workdir} (step {step})"
-  cfg, variables = hf.load(FLAGS.hf_path)
-  return cfg, variables, None, FLAGS.hf_path
 
 
 def _prompt(tokenizer):
@@ -78,7 +63,7 @@ def main(argv):
       temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
       seed=FLAGS.seed, max_tokens=FLAGS.max_tokens, n=FLAGS.n,
       stop=tuple(FLAGS.stop))
-  cfg, variables, tokenizer, source = _load()
+  cfg, variables, tokenizer, source = engine_flags.load()
   prompt = _prompt(tokenizer)
   if tokenizer is not None:
     params = dataclasses.replace(params, stop_token_ids=(tokenizer.eos_id,))

@@ -138,6 +138,16 @@ COMMANDS = {
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
     "prefix_model|prefix_agent128": Skip(
         GPU + "runs the benchmarks on a device machine"),
+    "python -m experiments.serve --workdir=runs/demo": Skip(
+        "a server that runs until stopped: tests/test_serve.py drives one"),
+    "curl -s http://127.0.0.1:8000/v1/chat/completions -H \"Content-Type: "
+    "application/json\" -d '{\"model\": \"demo\", \"messages\": "
+    "[{\"role\": \"user\", \"content\": \"def fib(n):\"}], "
+    "\"max_tokens\": 32}'": Skip("needs the server above running"),
+    "python -m experiments.bench_serve --workdir=runs/m2_small "
+    "--out=benchmarks/results/serve_h100.json": Skip(
+        GPU + "64 clients against a trained m2_small; its load check runs "
+        "in tests/test_serve.py"),
 }
 
 # Python code blocks, by their first line -> ({text: replacement}, checks

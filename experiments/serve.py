@@ -1,0 +1,78 @@
+"""Serve a model over an OpenAI-compatible HTTP API (m2jax/serve/).
+
+  python -m experiments.serve --workdir=runs/demo           # 127.0.0.1:8000
+  python -m experiments.serve --workdir=runs/demo --host=0.0.0.0 \\
+      --api_key=SECRET --max_batch=64 --mtp_draft=3
+  python -m experiments.serve --hf_path=/path/to/ckpt       # token ids only
+  python -m experiments.serve --preset=tiny                 # random weights
+
+The key may also come from the environment variable M2JAX_API_KEY; a host
+other than loopback is refused without one. Routes: GET /v1/models, POST
+/v1/completions, POST /v1/chat/completions (README, "Serving").
+"""
+
+import os
+
+from absl import flags, logging
+import jax
+
+from experiments import cli, engine_flags, run_flags
+from m2jax.infer.engine import EngineConfig
+from m2jax.serve import app as app_lib
+from m2jax.serve.loop import EngineLoop
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by "
+                    "default; any other needs an API key).")
+flags.DEFINE_integer("port", 8000, "Port to listen on.")
+flags.DEFINE_string("api_key", None, "Bearer key every request must carry "
+                    "(default: $M2JAX_API_KEY; none: no key).")
+flags.DEFINE_string("model_name", None, "The model id clients name (default: "
+                    "the run directory's name, or the preset's).")
+flags.DEFINE_integer("max_batch", 32, "Sequences decoded together at most "
+                     "(also the most samples n of one prompt).")
+flags.DEFINE_integer("max_seq_len", None, "Longest prompt + completion "
+                     "(default: the model's context).")
+flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens per prefill call.")
+flags.DEFINE_integer("decode_steps", 1, "Tokens per compiled decode call "
+                     "(more: less dispatch, coarser streaming).")
+flags.DEFINE_integer("policy_version", 0, "The version of the weights "
+                     "served (reported in every response).")
+flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning",
+                                        "info", "debug"], "uvicorn's logs.")
+engine_flags.define()  # --workdir/--hf_path/--preset, the KV cache, MTP
+run_flags.define()  # --mesh, the Settings flags, multi-host
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  api_key = FLAGS.api_key or os.environ.get("M2JAX_API_KEY") or None
+  app_lib.check_host(FLAGS.host, api_key)   # before loading anything
+  mesh, settings = run_flags.from_flags()
+  cfg, variables, tokenizer, source = engine_flags.load()
+  name = FLAGS.model_name or os.path.basename(os.path.normpath(
+      FLAGS.workdir or FLAGS.hf_path or FLAGS.preset))
+  loop = EngineLoop(
+      cfg.replace(settings=settings), variables,
+      EngineConfig(page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+                   max_batch=FLAGS.max_batch, max_seq_len=FLAGS.max_seq_len,
+                   prefill_chunk=FLAGS.prefill_chunk,
+                   decode_steps=FLAGS.decode_steps,
+                   mtp_draft=FLAGS.mtp_draft),
+      tokenizer=tokenizer, mesh=mesh,
+      policy_version=FLAGS.policy_version).start()
+  device = jax.devices()[0]
+  print(f"# serving {source} as {name!r} on http://{FLAGS.host}:{FLAGS.port}"
+        f"/v1 ({'key required' if api_key else 'no key'}), "
+        f"{jax.device_count()} x {getattr(device, 'device_kind', device)}",
+        flush=True)
+  try:
+    app_lib.serve(loop, model_name=name, host=FLAGS.host, port=FLAGS.port,
+                  api_key=api_key, log_level=FLAGS.log_level)
+  finally:
+    loop.stop()
+
+
+if __name__ == "__main__":
+  cli.run(main)
