@@ -112,7 +112,8 @@ def prefix_sharing(cfg: ModelConfig, variables, *, samples: int,
   result = {}
   for name in ("shared", "independent"):
     eng = Engine(cfg, variables, ec)
-    for _ in range(2):   # the second pass is timed (the first compiles)
+    passes = []
+    for _ in range(3):   # the first pass compiles; the best later one counts
       if name == "shared":
         rids = [eng.add_request(tokens, dataclasses.replace(params,
                                                             n=samples))]
@@ -128,9 +129,13 @@ def prefix_sharing(cfg: ModelConfig, variables, *, samples: int,
         eng.step()
       for r in rids:
         eng.release(r)
-    result[name] = {"prefill_s": seconds, "pages_held": held,
-                    "prefill_tokens": eng.stats["prefill_tokens"]
-                                      - before.get("prefill_tokens", 0)}
+      passes.append({"prefill_s": seconds, "pages_held": held,
+                     "prefill_calls": eng.stats["prefill_calls"]
+                                      - before.get("prefill_calls", 0),
+                     "prefill_tokens": eng.stats["prefill_tokens"]
+                                       - before.get("prefill_tokens", 0)})
+    best = min(passes[1:], key=lambda p: p["prefill_s"])
+    result[name] = {**best, "passes": passes}
   result["prompt_pages"] = -(-prompt // page_size)
   return result
 

@@ -134,16 +134,26 @@ async def _load(url, key, model, prompts, *, clients, requests_per_client,
                                   tokenizer)))
       return out
 
-    if warmup:   # compile the batch shapes the load will meet, untimed
-      await asyncio.gather(*[
-          _one(client, model, prompts[c % len(prompts)], max_tokens,
-               tokenizer) for c in range(clients)])
-    start = time.perf_counter()
-    results = await asyncio.gather(*[worker(c) for c in range(clients)])
-    seconds = time.perf_counter() - start
+    passes = []
+    if warmup:
+      # Every decode batch bucket (powers of two) at the lengths the load
+      # reaches: the engine compiles one function per shape it meets.
+      c = 1
+      while c < clients:
+        await asyncio.gather(*[
+            _one(client, model, prompts[i % len(prompts)], max_tokens,
+                 tokenizer) for i in range(c)])
+        c *= 2
+    # With warmup the same load runs twice: the first pass may still meet
+    # (and compile) shapes; the second is the steady state.
+    for _ in range(2 if warmup else 1):
+      start = time.perf_counter()
+      results = await asyncio.gather(*[worker(c) for c in range(clients)])
+      passes.append(([x for w in results for x in w],
+                     time.perf_counter() - start))
     alone = [await _one(client, model, p, max_tokens, tokenizer)
              for p in prompts]
-  return [x for w in results for x in w], seconds, alone
+  return passes, alone
 
 
 def run_load(url: str, key: str, model: str, prompts: list[list[int]], *,
@@ -151,11 +161,27 @@ def run_load(url: str, key: str, model: str, prompts: list[list[int]], *,
              tokenizer=None, warmup: bool = True) -> dict:
   """Throughput, time to first token and the lost / corrupted counts of
   `clients` concurrent streaming clients (module docstring); with
-  `warmup`, one untimed request per client first (compilation)."""
-  results, seconds, alone = asyncio.run(_load(
+  `warmup`, first 1, 2, 4, ... concurrent requests (below `clients`: each
+  decode batch bucket), then the whole load twice, the second pass reported
+  (the first as `cold_pass`)."""
+  passes, alone = asyncio.run(_load(
       url, key, model, prompts, clients=clients,
       requests_per_client=requests_per_client, max_tokens=max_tokens,
       tokenizer=tokenizer, warmup=warmup))
+  summary = _summary(passes[-1], alone, clients=clients, prompts=prompts,
+                     max_tokens=max_tokens)
+  if warmup:  # the first pass: what a cold server (compiling) gives
+    cold = _summary(passes[0], alone, clients=clients, prompts=prompts,
+                    max_tokens=max_tokens)
+    summary["cold_pass"] = {k: cold[k] for k in (
+        "seconds", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "lost",
+        "corrupted")}
+  return summary
+
+
+def _summary(timed, alone, *, clients, prompts, max_tokens) -> dict:
+  """The numbers of one pass of the load (run_load)."""
+  results, seconds = timed
   ok = [(p, r) for p, r in results if "lost" not in r]
   lost = [r["lost"] for _, r in results if "lost" in r]
   corrupted = [r["corrupted"] for _, r in ok if r["corrupted"]]

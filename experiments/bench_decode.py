@@ -1,4 +1,4 @@
-"""Decode benchmarks (issue 14), one GPU run; sections chosen by --sections:
+r"""Decode benchmarks (issue 14), one GPU run; sections chosen by --sections:
 
   kernel   paged decode attention (kernels/paged_attention.py) at batch 8,
            32K context, T = 1, for m2_small's heads (12 query, 2 KV) and
@@ -11,11 +11,11 @@
            only the new tokens, lengths off the page grid) at T = 1, 4 and
            16 (16 x 6 = 96 query rows: two Mosaic row blocks).
 
-  python -m experiments.bench_decode --sections=kernel \\
+  python -m experiments.bench_decode --sections=kernel \
       --out=benchmarks/results/decode_kernel_h100.json
 CPU dry run (interpreted kernels, tiny sizes):
-  python -m experiments.bench_decode --interpret --batch=2 --context=300 \\
-      --heads=4x2 --head_dim=64 --page_sizes=16 --check_context=100 \\
+  python -m experiments.bench_decode --interpret --batch=2 --context=300 \
+      --heads=4x2 --head_dim=64 --page_sizes=16 --check_context=100 \
       --check_new_tokens=1,3 --splits=0,3 --copy_mib=16 --reps=1 \
       --out=/tmp/decode.json
 """

@@ -41,8 +41,10 @@ _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV page size.")
 _SERVE_FLAGS = flags.DEFINE_string(
     "serve_flags", "", "More flags for experiments.serve (e.g. "
     "--decode_steps=4 --mtp_draft=3).")
-_WARMUP = flags.DEFINE_bool("warmup", True, "One untimed request per "
-                            "client first (compiles the batch shapes).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Untimed 1, 2, 4, ... concurrent "
+                            "requests first (each batch bucket compiles), "
+                            "then the load twice, the second reported (the "
+                            "first is kept as cold_pass).")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/serve.json",
                            "JSON results.")
 

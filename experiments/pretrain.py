@@ -144,8 +144,8 @@ def _model_given(base: config_lib.ModelConfig) -> dict[str, resume.Given]:
 
 def _configs_from_flags():
   """(model, train, data) configs of a new run: every flag counts."""
-  model_config = config_lib.apply_overrides(
-      config_lib.get_preset(FLAGS.preset), FLAGS.override)
+  model_config = _vocab_for_tokenizer(config_lib.apply_overrides(
+      config_lib.get_preset(FLAGS.preset), FLAGS.override))
   train = {f: g.value for f, g in _given(TRAIN_FLAGS,
                                          explicit_only=False).items()}
   data = {f: g.value for f, g in _given(DATA_FLAGS,
@@ -199,8 +199,6 @@ def main(argv):
   model_config, train_config, data_config = (
       _configs_of_run(FLAGS.workdir) if FLAGS.resume
       else _configs_from_flags())
-  if not FLAGS.resume:
-    model_config = _vocab_for_tokenizer(model_config)
   model_config = model_config.replace(settings=settings)  # never saved
   try:
     summary = pretrain(model_config, train_config, data_config, FLAGS.workdir,

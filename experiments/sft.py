@@ -1,4 +1,4 @@
-"""Supervised fine-tuning on chat data, from a pretraining run or hub weights.
+r"""Supervised fine-tuning on chat data, from a pretraining run or hub weights.
 
   python -m experiments.sft --workdir=runs/sft --init=runs/demo
   python -m experiments.sft --workdir=runs/sft --resume        # continue
@@ -12,8 +12,10 @@ library's docstrings, m2jax/data/chat_sources.py) or chat JSONL, one
 {"messages": [...], "tools": [...]} per line (m2jax/data/chat.py). The loss
 counts assistant tokens only; val_loss is the held-out assistant-token loss.
 --resume continues WORKDIR with the configs it saved (model, train, data):
-the flags that would build them are then ignored. All logic is in
-m2jax.train.sft; this file only turns flags into configs.
+a flag left out keeps the run's value; --steps and the cadence flags may
+change it; any other flag given that contradicts the run is refused, naming
+the field (m2jax.train.resume). All logic is in m2jax.train.sft; this file
+only turns flags into configs.
 """
 
 import json
@@ -21,10 +23,10 @@ import json
 from absl import flags, logging
 
 from experiments import cli, run_flags
-from m2jax.config import ConfigError
-from m2jax.data import load_tokenizer
+from m2jax.config import ConfigError, ModelConfig, config_from_dict
+from m2jax.data import DataConfig, load_tokenizer
 from m2jax.data.chat_data import ChatData
-from m2jax.train import sft
+from m2jax.train import resume, sft
 from m2jax.train.config import TrainConfig
 
 FLAGS = flags.FLAGS
@@ -75,6 +77,42 @@ flags.DEFINE_integer("sample_tokens", 160, "Greedy answer to a held-out "
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
 
+# The config field each flag sets ({flag: field}), for --resume.
+TRAIN_FLAGS = {
+    "steps": "steps", "seed": "seed", "optimizer": "optimizer",
+    "learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
+    "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
+    "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
+    "mtp_weight": "mtp_weight", "aux_loss": "aux_loss_coef",
+    "log_every": "log_every", "eval_every": "eval_every",
+    "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
+    "keep_checkpoints": "keep_checkpoints"}
+DATA_FLAGS = {"data": "source", "validation_data": "validation_source",
+              "validation_fraction": "validation_fraction",
+              "max_conversations": "max_documents", "seq_len": "seq_len",
+              "batch_size": "batch_size", "seed": "seed"}
+
+
+def _given(table: dict[str, str]) -> dict[str, resume.Given]:
+  """{field: Given} of the flags of `table` given on the command line."""
+  return {field: resume.Given(FLAGS[flag].value,
+                              f"--{flag}={FLAGS[flag].value}")
+          for flag, field in table.items() if FLAGS[flag].present}
+
+
+def _configs_of_run(workdir: str):
+  """(model, train, data) configs of the SFT run in `workdir`, the flags
+  given explicitly checked against them."""
+  saved = resume.read_run_configs(workdir)
+  mcfg = config_from_dict(ModelConfig, saved["model"])
+  train_config = resume.resumed_config(
+      TrainConfig, saved["train"], _given(TRAIN_FLAGS),
+      may_change=resume.RESUMABLE_TRAIN_FIELDS)
+  data_config = resume.resumed_config(DataConfig, saved["data"],
+                                      _given(DATA_FLAGS))
+  return mcfg, train_config, data_config
+
+
 def _configs(init):
   """(model, train, data) configs from the flags and the starting point."""
   mcfg = init.model_config
@@ -110,7 +148,7 @@ def main(argv):
                       "run's own tokenizer)")
   if FLAGS.resume:
     # The run's saved configs, so the continued run is the same run.
-    mcfg, train_config, data_config = sft.read_run_configs(FLAGS.workdir)
+    mcfg, train_config, data_config = _configs_of_run(FLAGS.workdir)
     tokenizer = load_tokenizer(f"{FLAGS.workdir}/tokenizer")
     init = None
   else:

@@ -47,6 +47,12 @@ HF_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hf_tiny_fp32_sharded")
 Run = collections.namedtuple("Run", "argv check status", defaults=(None, 0))
 Skip = collections.namedtuple("Skip", "reason")
 
+# What every tiny SFT run adds (its rows hold a whole conversation).
+SFT_TINY = ("--seq_len=256", "--batch_size=2", "--max_conversations=24",
+            "--eval_batches=1", "--sample_tokens=4", "--log_every=1")
+MULTIHOST = ("the two-process run tests/test_multihost.py makes (with flags "
+             "that only save time)")
+
 GPU = "needs a GPU: "
 INSTALLS = "installs packages (the environment these tests run in)"
 
@@ -60,7 +66,7 @@ COMMANDS = {
         (PY, "-m", "experiments.pretrain", "--preset=tiny", "--steps=2",
          "--workdir={RUN}", *TINY), "run"),
     "python -m experiments.pretrain --workdir=runs/tiny --resume "
-    "--steps=2000 ...": Run(
+    "--steps=2000": Run(
         (PY, "-m", "experiments.pretrain", "--workdir={RUN}", "--resume",
          "--steps=3", *TINY), "resume"),
     "python -m experiments.evaluate --workdir=runs/tiny": Run(
@@ -89,7 +95,31 @@ COMMANDS = {
          "--examples_per_point=1", "--sweep_dir={TMP}/sweep"), "sweep"),
     "python -m experiments.recall_check": Run(
         (PY, "-m", "experiments.recall_check", "--steps=2", "--batch_size=2",
-         "--override=num_layers=1"), "recall"),
+         "--override=num_layers=1"), "recall",
+        status=1),  # two steps learn no recall: the FAIL verdict exits 1
+    "python -m experiments.sft --workdir=runs/sft --init=runs/demo": Run(
+        (PY, "-m", "experiments.sft", "--workdir={TMP}/sft", "--init={RUN}",
+         *SFT_TINY, "--steps=2"), "sft"),
+    "python -m experiments.sft --workdir=runs/sft --resume": Run(
+        (PY, "-m", "experiments.sft", "--workdir={TMP}/sft", "--resume",
+         *SFT_TINY, "--steps=3"), "sft_resume"),
+    "python -m experiments.sft --workdir=runs/sft --init=runs/demo "
+    "--data='chats/*.jsonl'": Skip(
+        "needs chat files of the user's; JSONL sources are read in "
+        "tests/test_sft.py"),
+    "python -m experiments.sft --workdir=runs/sft --hf_path=CKPT "
+    "--tokenizer_dir=runs/demo/tokenizer": Skip(
+        "needs a hub checkpoint; starting from one is "
+        "tests/test_sft.py's load_hub test"),
+    "export JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_"
+    "count=4": Skip(MULTIHOST),
+    "for i in 0 1; do": Skip(MULTIHOST),
+    "python -m experiments.pretrain --preset=tiny --override=num_layers=1 "
+    "--mesh=fsdp=2,expert=4 --seq_len=64 --batch_size=8 --steps=4 "
+    "--checkpoint_every=2 --workdir=runs/two "
+    "--coordinator_address=127.0.0.1:12345 --num_processes=2 "
+    "--process_id=$i &": Skip(MULTIHOST),
+    "done; wait": Skip(MULTIHOST),
     # Not run here.
     "make test": Skip("the test suite itself, which holds this test"),
     "make venv": Skip(INSTALLS),
@@ -186,6 +216,8 @@ def documented():
       if lang == "python":
         blocks.append(body)
         continue
+      if lang == "text":  # a format shown, not a command
+        continue
       for line in body.replace("\\\n", " ").splitlines():
         line = line.split(" #")[0].strip()
         if line:
@@ -278,7 +310,11 @@ def _check(kind, proc, tmp):
   elif kind == "sweep":
     assert os.path.exists(os.path.join(tmp, "sweep", "results.json"))
   elif kind == "recall":
-    assert "recall accuracy" in proc.stdout
+    assert "recall accuracy" in proc.stdout and "FAIL" in proc.stdout
+  elif kind in ("sft", "sft_resume"):
+    sft_run = os.path.join(tmp, "sft")
+    assert runs.checkpoint_steps(sft_run)[-1] == (2 if kind == "sft" else 3)
+    assert os.path.exists(os.path.join(sft_run, "sft.json"))
 
 
 def test_documented_commands_run(tmp_path):

@@ -307,3 +307,12 @@ def test_cli_fine_tunes_a_pretraining_run_and_held_out_loss_falls(tmp_path):
     assert json.load(f) == {"init": os.path.abspath(init), "step": 4}
   assert os.path.exists(os.path.join(workdir, "tokenizer",
                                      "tokenizer_config.json"))
+  # --resume keeps the run's configs: a contradicting flag is refused in one
+  # line naming the field, before any work.
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.sft", f"--workdir={workdir}",
+       "--resume", "--seq_len=64"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=300, check=False)
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "DataConfig.seq_len: the run has 128 but --seq_len=64" in proc.stderr
+  assert "Traceback" not in proc.stderr
