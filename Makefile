@@ -28,7 +28,7 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,7 +18,7 @@ import json
 
 from absl import flags, logging
 
-from experiments import cli, run_flags
+from experiments import cli, run_flags, train_flags
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
 from m2jax.train import resume
@@ -78,12 +78,7 @@ flags.DEFINE_string("context_schedule", "",
                     "0:256,0.75:1024; tokens per batch are kept.")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
 flags.DEFINE_integer("seed", 0, "Init and data seed.")
-# Cadence.
-flags.DEFINE_integer("log_every", 10, "Steps between metric lines.")
-flags.DEFINE_integer("eval_every", 100, "Steps between validation evals.")
-flags.DEFINE_integer("eval_batches", 8, "Validation batches per eval.")
-flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
-flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
+train_flags.define_cadence(eval_every=100, eval_batches=8)
 flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
 
 run_flags.define()  # --mesh, the Settings flags, multi-host
@@ -104,26 +99,14 @@ TRAIN_FLAGS = {
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "mtp_weight_final": "mtp_weight_final",
     "z_loss": "z_loss_coef", "aux_loss": "aux_loss_coef",
-    "context_schedule": "context_schedule", "log_every": "log_every",
-    "eval_every": "eval_every", "eval_batches": "eval_batches",
-    "checkpoint_every": "checkpoint_every",
-    "keep_checkpoints": "keep_checkpoints"}
-
-
-def _flag_value(name: str):
-  if name == "context_schedule":
-    return parse_context_schedule(FLAGS.context_schedule)
-  return FLAGS[name].value
+    "context_schedule": "context_schedule", **train_flags.CADENCE_FLAGS}
 
 
 def _given(table: dict[str, str], *, explicit_only: bool
            ) -> dict[str, resume.Given]:
-  """{field: Given} of the flags in `table` (only those on the command line
-  when `explicit_only`)."""
-  return {field: resume.Given(_flag_value(flag),
-                              f"--{flag}={FLAGS[flag].value}")
-          for flag, field in table.items()
-          if FLAGS[flag].present or not explicit_only}
+  return train_flags.given(
+      table, explicit_only=explicit_only,
+      convert={"context_schedule": parse_context_schedule})
 
 
 def _model_given(base: config_lib.ModelConfig) -> dict[str, resume.Given]:

@@ -22,7 +22,7 @@ import json
 
 from absl import flags, logging
 
-from experiments import cli, run_flags
+from experiments import cli, run_flags, train_flags
 from m2jax.config import ConfigError, ModelConfig, config_from_dict
 from m2jax.data import DataConfig, load_tokenizer
 from m2jax.data.chat_data import ChatData
@@ -65,12 +65,7 @@ flags.DEFINE_float("mtp_weight", 0.1, "MTP loss weight (M2 ends "
                    "pretraining at 0.1).")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
 flags.DEFINE_integer("seed", 0, "Data seed.")
-# Cadence.
-flags.DEFINE_integer("log_every", 10, "Steps between metric lines.")
-flags.DEFINE_integer("eval_every", 50, "Steps between validation evals.")
-flags.DEFINE_integer("eval_batches", 32, "Validation batches per eval.")
-flags.DEFINE_integer("checkpoint_every", 100, "Steps between checkpoints.")
-flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.")
+train_flags.define_cadence(eval_every=50, eval_batches=32)
 flags.DEFINE_integer("sample_tokens", 160, "Greedy answer to a held-out "
                      "prompt at the end (0: none).")
 
@@ -84,20 +79,11 @@ TRAIN_FLAGS = {
     "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "aux_loss": "aux_loss_coef",
-    "log_every": "log_every", "eval_every": "eval_every",
-    "eval_batches": "eval_batches", "checkpoint_every": "checkpoint_every",
-    "keep_checkpoints": "keep_checkpoints"}
+    **train_flags.CADENCE_FLAGS}
 DATA_FLAGS = {"data": "source", "validation_data": "validation_source",
               "validation_fraction": "validation_fraction",
               "max_conversations": "max_documents", "seq_len": "seq_len",
               "batch_size": "batch_size", "seed": "seed"}
-
-
-def _given(table: dict[str, str]) -> dict[str, resume.Given]:
-  """{field: Given} of the flags of `table` given on the command line."""
-  return {field: resume.Given(FLAGS[flag].value,
-                              f"--{flag}={FLAGS[flag].value}")
-          for flag, field in table.items() if FLAGS[flag].present}
 
 
 def _configs_of_run(workdir: str):
@@ -106,10 +92,10 @@ def _configs_of_run(workdir: str):
   saved = resume.read_run_configs(workdir)
   mcfg = config_from_dict(ModelConfig, saved["model"])
   train_config = resume.resumed_config(
-      TrainConfig, saved["train"], _given(TRAIN_FLAGS),
+      TrainConfig, saved["train"], train_flags.given(TRAIN_FLAGS),
       may_change=resume.RESUMABLE_TRAIN_FIELDS)
   data_config = resume.resumed_config(DataConfig, saved["data"],
-                                      _given(DATA_FLAGS))
+                                      train_flags.given(DATA_FLAGS))
   return mcfg, train_config, data_config
 
 

@@ -14,8 +14,10 @@ test suite itself). A command added to the docs without an entry here, or
 an entry whose command left the docs, fails
 test_every_documented_command_is_covered.
 
-The runs share one pretrain run directory ({RUN}) and one persistent XLA
-compilation cache, so the runs after the first compile little.
+The commands that read a run share one pretrain run directory ({RUN}) and
+run in one test, in order; the others each run in a test of their own, so
+pytest's workers share them out. All share the session's persistent XLA
+compilation cache (tests/conftest.py): after the first, they compile little.
 """
 
 import ast
@@ -27,9 +29,9 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import numpy as np
+import pytest
 
 from m2jax import hf, model
 from m2jax.eval import runs
@@ -165,6 +167,12 @@ COMMANDS = {
         GPU + "times the Hopper tree-attention kernels"),
     "python -m experiments.bench_scaling": Skip(GPU + "several of them"),
     "python -m experiments.bench_all_to_all": Skip(GPU + "several of them"),
+    "python -m experiments.bench_decode": Skip(
+        GPU + "times the decode kernels and the engine; its CPU dry run "
+        "is in its docstring"),
+    "python -m experiments.bench_serve": Skip(
+        GPU + "64 clients against m2_small; its load check runs in "
+        "tests/test_serve.py"),
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
     "prefix_model|prefix_agent128": Skip(
         GPU + "runs the benchmarks on a device machine"),
@@ -317,44 +325,72 @@ def _check(kind, proc, tmp):
     assert os.path.exists(os.path.join(sft_run, "sft.json"))
 
 
-def test_documented_commands_run(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla_cache"),
-             # Compiling dominates on a CPU; the arrays are tiny.
-             XLA_FLAGS="--xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true")
+def _env() -> dict:
+  # The session's compilation cache (tests/conftest.py) is shared by every
+  # command: one tiny shape for all, compiled once.
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              # Compiling dominates on a CPU; the arrays are tiny.
+              XLA_FLAGS="--xla_backend_optimization_level=0 "
+              "--xla_llvm_disable_expensive_passes=true")
+
+
+def _run(command: str, how: Run, tmp_path) -> str | None:
+  """Runs one documented command's tiny variant: None, or what failed."""
   subs = {"{PY}": sys.executable, "{RUN}": str(tmp_path / "run"),
           "{TMP}": str(tmp_path)}
-  failures, seconds = [], {}
-  for command, how in COMMANDS.items():
-    if isinstance(how, Skip):
+  argv = []
+  for arg in how.argv:
+    if arg == "{DEMO}":
+      argv += _demo_command()
       continue
-    argv = []
-    for arg in how.argv:
-      if arg == "{DEMO}":
-        argv += _demo_command()
-        continue
-      for key, value in subs.items():
-        arg = arg.replace(key, value)
-      argv.append(arg)
-    start = time.time()
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    seconds[command] = round(time.time() - start, 1)
-    try:
-      assert proc.returncode == how.status, f"exit status {proc.returncode}"
-      assert "Traceback" not in proc.stderr
-      _check(how.check, proc, str(tmp_path))
-    except AssertionError as e:
-      failures.append(f"{command}\n  ran {shlex.join(argv)}\n  {e}\n"
-                      f"  stderr: {proc.stderr[-1500:]}")
-  for first, program in _python_block_programs().items():
-    start = time.time()
-    proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300,
-                          check=False)
-    seconds[first] = round(time.time() - start, 1)
-    if proc.returncode:
-      failures.append(f"the Python block {first!r}:\n{proc.stderr[-1500:]}")
-  print(json.dumps(seconds, indent=1))
+    for key, value in subs.items():
+      arg = arg.replace(key, value)
+    argv.append(arg)
+  proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=300, check=False)
+  try:
+    assert proc.returncode == how.status, f"exit status {proc.returncode}"
+    assert "Traceback" not in proc.stderr
+    _check(how.check, proc, str(tmp_path))
+  except AssertionError as e:
+    return (f"{command}\n  ran {shlex.join(argv)}\n  {e}\n"
+            f"  stderr: {proc.stderr[-1500:]}")
+  return None
+
+
+def _uses_the_run(how) -> bool:
+  """Whether the command reads the shared run (or what a command that read
+  it wrote: the SFT resume continues the SFT run)."""
+  return isinstance(how, Run) and (any("{RUN}" in a for a in how.argv)
+                                   or how.check == "sft_resume")
+
+
+def test_documented_commands_on_one_run_directory(tmp_path):
+  """The commands that read the shared run, in the docs' order after the
+  pretrain command that makes it."""
+  failures = []
+  for command, how in COMMANDS.items():
+    if _uses_the_run(how):
+      failure = _run(command, how, tmp_path)
+      if failure:
+        failures.append(failure)
+        if how.check == "run":
+          break  # the others read this run
   assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("command", [
+    c for c, how in COMMANDS.items()
+    if isinstance(how, Run) and not _uses_the_run(how)])
+def test_documented_command_runs(command, tmp_path):
+  failure = _run(command, COMMANDS[command], tmp_path)
+  assert failure is None, failure
+
+
+@pytest.mark.parametrize("first", sorted(PYTHON_BLOCKS))
+def test_documented_python_block_runs(first):
+  program = _python_block_programs()[first]
+  proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT,
+                        env=_env(), capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-1500:]

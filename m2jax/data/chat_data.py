@@ -30,10 +30,8 @@ Usage:
 
 from __future__ import annotations
 
-import atexit
 import functools
 import warnings
-import weakref
 from collections.abc import Sequence
 
 import grain
@@ -44,6 +42,7 @@ from m2jax.config import ConfigError
 from m2jax.data import chat
 from m2jax.data import chat_sources
 from m2jax.data import packing
+from m2jax.data import pipeline
 from m2jax.data import tokenizer as tokenizer_lib
 from m2jax.data.config import DataConfig
 
@@ -144,28 +143,10 @@ def make_chat_dataset(config: DataConfig, tokenizer: tokenizer_lib.Tokenizer,
 
 
 class _ClosedAtExit(grain.IterDataset):
-  """Its iterators are closed at interpreter exit (as pipeline.py's are):
-  grain's thread-prefetch iterators collected during teardown print
-  tracebacks from `__del__` otherwise."""
+  """Its iterators are closed at interpreter exit, as pipeline.py's are."""
 
   def __iter__(self) -> grain.DatasetIterator:
-    it = self._parent.__iter__()
-    _LIVE_ITERATORS.add(it)
-    return it
-
-
-_LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_iterators() -> None:
-  for it in list(_LIVE_ITERATORS):
-    it.close()
-    nodes = [it]
-    while nodes:  # a closed iterator's close, run again by __del__, no-ops
-      node = nodes.pop()
-      node.close = lambda: None
-      nodes.extend(getattr(node, "_parents", ()))
+    return pipeline.close_at_exit(self._parent.__iter__())
 
 
 class ChatData:

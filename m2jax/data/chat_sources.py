@@ -138,17 +138,6 @@ def where(conversations, index: int) -> str:
   return f"conversation {index}"
 
 
-def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
-  """(byte offset, stripped line) of every non-blank line."""
-  offset = 0
-  with open(path, "rb") as f:
-    for line in f:
-      stripped = line.strip()
-      if stripped:
-        yield offset + (len(line) - len(line.lstrip())), stripped
-      offset += len(line)
-
-
 def _read(source: str, config: DataConfig, validation: bool | None):
   """One side of `source`'s split (None: all of it)."""
   keep = (lambda key: True) if validation is None else (
@@ -163,7 +152,7 @@ def _read(source: str, config: DataConfig, validation: bool | None):
       suffixes = "/".join(corpus.JSONL_SUFFIXES)
       raise ConfigError(f"DataConfig.source: chat data is JSONL ({suffixes} "
                         f"files, or format='jsonl'), but {path} is not")
-    for line_offset, line in _jsonl_lines(path):
+    for line_offset, line in corpus.jsonl_lines(path):
       if keep(line):
         if not paths or paths[-1] != path:
           paths.append(path)

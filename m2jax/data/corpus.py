@@ -270,7 +270,7 @@ def _index(source: str, config: DataConfig, validation: bool | None
   paths, file_index, offset, length = [], [], [], []
   for key, path in _files(source, config):
     if source != STDLIB and _is_jsonl(path, config.format):
-      for line_offset, line in _jsonl_lines(path):
+      for line_offset, line in jsonl_lines(path):
         if keep(line):
           if not paths or paths[-1] != path:
             paths.append(path)
@@ -304,7 +304,7 @@ def _index_packages(source: str, config: DataConfig,
   return Packages(names, keys, files, starts)
 
 
-def _jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
+def jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
   """(byte offset, stripped line) of every non-blank line."""
   offset = 0
   with open(path, "rb") as f:

@@ -264,9 +264,8 @@ class _StreamIterDataset(grain.IterDataset):
     self._start_document = int(start_document)
 
   def __iter__(self) -> grain.DatasetIterator:
-    it = _StreamIterator(self._parent.__iter__(), self._start_document)
-    _LIVE_ITERATORS.add(it)
-    return it
+    return close_at_exit(_StreamIterator(self._parent.__iter__(),
+                                         self._start_document))
 
 
 class _StreamIterator(grain.DatasetIterator):
@@ -310,6 +309,12 @@ class _StreamIterator(grain.DatasetIterator):
 # print tracebacks from `__del__` (module globals are already None). Closing
 # live iterators at exit, then making their `close` a no-op, avoids that.
 _LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_at_exit(it: grain.DatasetIterator) -> grain.DatasetIterator:
+  """`it`, closed at interpreter exit if still alive (see above)."""
+  _LIVE_ITERATORS.add(it)
+  return it
 
 
 @atexit.register

@@ -1,0 +1,63 @@
+"""Flags the training commands share (experiments.pretrain, experiments.sft):
+the cadence of logs, evals and checkpoints, and reading flags back as config
+fields for --resume (m2jax.train.resume checks them against the run).
+
+  train_flags.define_cadence(eval_every=100, eval_batches=8)  # at import
+  given = train_flags.given({"steps": "steps", ...})           # in main
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import sys
+from typing import Any
+
+from absl import flags
+
+from m2jax.train import resume
+
+FLAGS = flags.FLAGS
+
+# {flag: TrainConfig field} of the cadence flags.
+CADENCE_FLAGS = {"log_every": "log_every", "eval_every": "eval_every",
+                 "eval_batches": "eval_batches",
+                 "checkpoint_every": "checkpoint_every",
+                 "keep_checkpoints": "keep_checkpoints"}
+
+
+def define_cadence(*, eval_every: int, eval_batches: int,
+                   flag_values: flags.FlagValues = FLAGS) -> None:
+  """--log_every, --eval_every, --eval_batches, --checkpoint_every and
+  --keep_checkpoints, with the command's own eval defaults. They are
+  registered to the calling script, so its --helpshort lists them."""
+  caller = sys._getframe(1).f_globals["__name__"]  # pylint: disable=protected-access
+  kw = {"flag_values": flag_values,
+        # absl names the main module by its path (sys.argv[0]).
+        "module_name": sys.argv[0] if caller == "__main__" else caller}
+  flags.DEFINE_integer("log_every", 10, "Steps between metric lines.", **kw)
+  flags.DEFINE_integer("eval_every", eval_every,
+                       "Steps between validation evals.", **kw)
+  flags.DEFINE_integer("eval_batches", eval_batches,
+                       "Validation batches per eval.", **kw)
+  flags.DEFINE_integer("checkpoint_every", 100,
+                       "Steps between checkpoints.", **kw)
+  flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.", **kw)
+
+
+def given(table: Mapping[str, str], *, explicit_only: bool = True,
+          convert: Mapping[str, Callable[[Any], Any]] | None = None,
+          flag_values: flags.FlagValues = FLAGS
+          ) -> dict[str, resume.Given]:
+  """{field: Given} of the flags of `table` ({flag: config field}): only
+  those on the command line when `explicit_only`. `convert` turns a flag's
+  value into the field's ({flag: function}, e.g. a parser)."""
+  convert = convert or {}
+  out = {}
+  for flag, field in table.items():
+    holder = flag_values[flag]
+    if explicit_only and not holder.present:
+      continue
+    value = holder.value
+    out[field] = resume.Given(convert[flag](value) if flag in convert
+                              else value, f"--{flag}={value}")
+  return out
