@@ -9,6 +9,7 @@ fields for --resume (m2jax.train.resume checks them against the run).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import inspect
 import sys
 from typing import Any
 
@@ -30,7 +31,7 @@ def define_cadence(*, eval_every: int, eval_batches: int,
   """--log_every, --eval_every, --eval_batches, --checkpoint_every and
   --keep_checkpoints, with the command's own eval defaults. They are
   registered to the calling script, so its --helpshort lists them."""
-  caller = sys._getframe(1).f_globals["__name__"]  # pylint: disable=protected-access
+  caller = inspect.currentframe().f_back.f_globals["__name__"]
   kw = {"flag_values": flag_values,
         # absl names the main module by its path (sys.argv[0]).
         "module_name": sys.argv[0] if caller == "__main__" else caller}
