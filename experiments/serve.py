@@ -12,6 +12,7 @@ other than loopback is refused without one. Routes: GET /v1/models, POST
 """
 
 import os
+import time
 
 from absl import flags, logging
 import jax
@@ -40,6 +41,13 @@ flags.DEFINE_integer("policy_version", 0, "The version of the weights "
                      "served (reported in every response).")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning",
                                         "info", "debug"], "uvicorn's logs.")
+flags.DEFINE_integer(
+    "warmup_prompt_tokens", 0, "Before serving, compile the shapes that "
+    "1, 2, 4, ... --max_batch concurrent requests of prompts this long meet "
+    "(Engine.warmup), so the first requests wait for no compilation; 0: "
+    "none (each new batch size then compiles on first use).", lower_bound=0)
+flags.DEFINE_integer("warmup_new_tokens", 128, "Tokens each warm-up "
+                     "request generates.", lower_bound=1)
 engine_flags.define()  # --workdir/--hf_path/--preset, the KV cache, MTP
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
@@ -60,8 +68,13 @@ def main(argv):
                    prefill_chunk=FLAGS.prefill_chunk,
                    decode_steps=FLAGS.decode_steps,
                    mtp_draft=FLAGS.mtp_draft),
-      tokenizer=tokenizer, mesh=mesh,
-      policy_version=FLAGS.policy_version).start()
+      tokenizer=tokenizer, mesh=mesh, policy_version=FLAGS.policy_version)
+  if FLAGS.warmup_prompt_tokens:
+    start = time.perf_counter()
+    loop.engine.warmup(FLAGS.warmup_prompt_tokens, FLAGS.warmup_new_tokens)
+    print(f"# warm-up compiled in {time.perf_counter() - start:.1f} s",
+          flush=True)
+  loop.start()
   device = jax.devices()[0]
   print(f"# serving {source} as {name!r} on http://{FLAGS.host}:{FLAGS.port}"
         f"/v1 ({'key required' if api_key else 'no key'}), "

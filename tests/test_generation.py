@@ -398,3 +398,36 @@ def test_sharded_generation_equals_one_device():
   for spec, r in report.items():
     assert all(r["tokens_equal"]), (spec, r)
     assert r["logprob_diff"] < 1e-4, (spec, r)
+
+
+def test_warmup_compiles_every_shape_a_load_then_meets():
+  """After warmup, 1..max_batch concurrent requests of the warmed lengths
+  compile nothing (a config of its own: no other test compiled its steps)."""
+  import logging  # pylint: disable=import-outside-toplevel
+  cfg = CFG.replace(rope_theta=CFG.rope_theta + 1.0, num_mtp_modules=0)
+  eng = Engine(cfg, _variables(cfg), dataclasses.replace(ENGINE,
+                                                         decode_steps=2))
+  with pytest.raises(EngineError, match="prompt_tokens"):
+    eng.warmup(0, 4)
+  eng.warmup(prompt_tokens=10, new_tokens=6)
+  assert eng.pool.used_pages() == 0 and not eng.stats
+
+  compiles = []
+
+  class Record(logging.Handler):
+    def emit(self, record):
+      if "Compiling" in record.getMessage():
+        compiles.append(record.getMessage()[:80])
+
+  handler, logger = Record(), logging.getLogger("jax._src.interpreters.pxla")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      rng = np.random.default_rng(5)
+      for batch in (3, 1, 4):
+        eng.generate([list(rng.integers(3, cfg.vocab_size, 10))
+                      for _ in range(batch)],
+                     SamplingParams(temperature=0, max_tokens=6))
+  finally:
+    logger.removeHandler(handler)
+  assert not compiles, compiles

@@ -326,6 +326,32 @@ class Engine:
       self.release(r)
     return out
 
+  def warmup(self, prompt_tokens: int, new_tokens: int, seed: int = 0
+             ) -> None:
+    """Compile, before any traffic, the shapes that batches of 1, 2, 4, ...,
+    max_batch concurrent requests with `prompt_tokens`-token prompts meet
+    while each generates `new_tokens` tokens: every prefill call, batch
+    bucket and block-table width on the way (a server's first requests then
+    wait for no compilation). The requests are greedy on random prompts and
+    leave no trace but idle prefix-cache pages: their pages are released and
+    the statistics reset. Longer prompts or outputs still compile their own
+    block-table widths when they first come."""
+    if prompt_tokens < 1 or new_tokens < 1:
+      raise EngineError(f"warmup needs prompt_tokens and new_tokens >= 1, "
+                        f"got {prompt_tokens} and {new_tokens}")
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    batch = 1
+    while True:
+      batch = min(batch, self.config.max_batch)
+      self.generate([list(rng.integers(0, self.model_config.vocab_size,
+                                       prompt_tokens))
+                     for _ in range(batch)], params)
+      if batch == self.config.max_batch:
+        break
+      batch *= 2
+    self.stats.clear()
+
   # ---------------------------------------------------------------- step --
 
   def step(self) -> list[Event]:
