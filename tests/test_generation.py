@@ -409,7 +409,7 @@ def test_warmup_compiles_every_shape_a_load_then_meets():
                                                          decode_steps=2))
   with pytest.raises(EngineError, match="prompt_tokens"):
     eng.warmup(0, 4)
-  eng.warmup(prompt_tokens=10, new_tokens=6)
+  eng.warmup(prompt_tokens=14, new_tokens=6)
   assert eng.pool.used_pages() == 0 and not eng.stats
 
   compiles = []
@@ -425,9 +425,10 @@ def test_warmup_compiles_every_shape_a_load_then_meets():
     with jax.log_compiles(True):
       rng = np.random.default_rng(5)
       for batch in (3, 1, 4):
-        eng.generate([list(rng.integers(3, cfg.vocab_size, 10))
-                      for _ in range(batch)],
-                     SamplingParams(temperature=0, max_tokens=6))
+        prompts = [list(rng.integers(3, cfg.vocab_size, 14))
+                   for _ in range(batch)]
+        for _ in range(2):   # the second time with prefix-cache hits
+          eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
   finally:
     logger.removeHandler(handler)
   assert not compiles, compiles

@@ -330,9 +330,9 @@ class Engine:
              ) -> None:
     """Compile, before any traffic, the shapes that batches of 1, 2, 4, ...,
     max_batch concurrent requests with `prompt_tokens`-token prompts meet
-    while each generates `new_tokens` tokens: every prefill call, batch
-    bucket and block-table width on the way (a server's first requests then
-    wait for no compilation). The requests are greedy on random prompts and
+    while each generates `new_tokens` tokens: every prefill call (with and
+    without prefix-cache hits), batch bucket and block-table width on the
+    way (a server's first requests then wait for no compilation). The requests are greedy on random prompts and
     leave no trace but idle prefix-cache pages: their pages are released and
     the statistics reset. Longer prompts or outputs still compile their own
     block-table widths when they first come."""
@@ -344,12 +344,14 @@ class Engine:
     batch = 1
     while True:
       batch = min(batch, self.config.max_batch)
-      self.generate([list(rng.integers(0, self.model_config.vocab_size,
-                                       prompt_tokens))
-                     for _ in range(batch)], params)
+      prompts = [list(rng.integers(0, self.model_config.vocab_size,
+                                   prompt_tokens)) for _ in range(batch)]
+      self.generate(prompts, params)
       if batch == self.config.max_batch:
         break
       batch *= 2
+    if self.config.prefix_cache:   # the same prompts again: prefix hits
+      self.generate(prompts, params)  # prefill only their uncached tails
     self.stats.clear()
 
   # ---------------------------------------------------------------- step --
