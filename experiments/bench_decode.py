@@ -10,9 +10,23 @@ r"""Decode benchmarks (issue 14), one GPU run; sections chosen by --sections:
            reference on the device: ragged batches (an empty row, a row of
            only the new tokens, lengths off the page grid) at T = 1, 4 and
            16 (16 x 6 = 96 query rows: two Mosaic row blocks).
+  engine   the engine's greedy decode step at --engine_batches (128-token
+           prompts, 128 new tokens, --decode_steps per compiled call) next
+           to its memory floor (benchmarks/decode_cases.floor_bytes);
+           --profile also traces one call: device time per kernel
+           (benchmarks/profile.py).
+  spec     MTP speculative decoding at batch 1 on held-out prompts of
+           --workdir's run: tokens/s, acceptance per depth and greedy
+           identity for each K in --drafts (K=0: plain decoding).
+  prefix   n samples of one long prompt against n requests of it
+           (--prefix_case): prefill time and KV pages.
+  hf       HF transformers generate on the same weights (hub layout, its
+           own process), against the engine section's tokens/s.
 
   python -m experiments.bench_decode --sections=kernel \
       --out=benchmarks/results/decode_kernel_h100.json
+  python -m experiments.bench_decode --workdir=RUN \
+      --sections=spec,engine,prefix,hf --out=benchmarks/results/decode.json
 CPU dry run (interpreted kernels, tiny sizes):
   python -m experiments.bench_decode --interpret --batch=2 --context=300 \
       --heads=4x2 --head_dim=64 --page_sizes=16 --check_context=100 \
