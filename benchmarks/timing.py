@@ -1,10 +1,15 @@
 """The device timer (time_fn; time_steps for steps that carry a state), the
-error metric and the copy bandwidth every benchmark uses."""
+error metric, the copy bandwidth and the header of a results file that every
+benchmark uses."""
 
 from __future__ import annotations
 
+import datetime
 import statistics
+import sys
 import time
+
+from absl import flags
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +102,14 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> dict:
     seconds, _ = time_fn(jax.jit(fn), x, reps=reps, min_time=0.05)
     out[name] = 2 * x.nbytes / seconds
   return out
+
+
+def run_header() -> dict:
+  """{date, device, jax, flags} of a benchmark run: the values of every flag
+  the running script defines (absl files them under its path)."""
+  dev = jax.devices()[0]
+  return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+          "device": getattr(dev, "device_kind", str(dev)),
+          "jax": jax.__version__,
+          "flags": {f.name: f.value for f in
+                    flags.FLAGS.get_key_flags_for_module(sys.argv[0])}}

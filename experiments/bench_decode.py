@@ -34,7 +34,6 @@ CPU dry run (interpreted kernels, tiny sizes):
       --out=/tmp/decode.json
 """
 
-import datetime
 import functools
 import itertools
 import json
@@ -300,11 +299,11 @@ def _spec_section(results):
   """MTP speculative decoding at batch 1: tokens/s and acceptance per K."""
   cfg, variables, source = _model()
   rows, ref = [], None
+  prompts = _held_out_prompts()
   for K in map(int, _DRAFTS.value):
     if K > cfg.num_mtp_modules:
       print(f"spec K={K}: the model has {cfg.num_mtp_modules} MTP modules")
       continue
-    prompts = _held_out_prompts(cfg)
     r = dc.time_engine(cfg, variables, batch=1, prompt=_PROMPT.value,
                        new_tokens=_GEN.value, mtp_draft=K, prompts=prompts,
                        decode_steps=_DECODE_STEPS.value)
@@ -323,9 +322,8 @@ def _spec_section(results):
     _record(results, "spec", rows)
 
 
-def _held_out_prompts(cfg):
-  """A validation document of the run (or random tokens without one)."""
-  del cfg
+def _held_out_prompts():
+  """Validation rows of the run (None without one: random prompts)."""
   if not _WORKDIR.value:
     return None
   from m2jax.data import make_dataset  # pylint: disable=import-outside-toplevel
@@ -388,17 +386,7 @@ flags.register_validator(
 
 def main(argv):
   del argv
-  dev = jax.devices()[0]
-  names = ("sections", "batch", "context", "heads", "head_dim", "page_sizes",
-           "new_tokens", "configs", "splits", "check_context",
-           "check_new_tokens", "copy_mib", "reps", "interpret", "workdir",
-           "preset", "engine_batches", "engine_gmm_tiles", "prompt", "gen",
-           "decode_steps", "profile", "drafts",
-           "hf_batches", "prefix_case", "spec_prompts")
-  results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-             "device": getattr(dev, "device_kind", str(dev)),
-             "jax": jax.__version__,
-             "flags": {n: flags.FLAGS[n].value for n in names}}
+  results = timing.run_header()
   print("device:", results["device"], flush=True)
   for name in _SECTIONS.value:
     _SECTION_FNS[name](results)

@@ -23,7 +23,6 @@ One GPU run:
   python -m experiments.bench_prefix_tree --out=benchmarks/results/prefix_tree_h100.json
 """
 
-import datetime
 import functools
 import json
 import os
@@ -365,15 +364,7 @@ def _time_model(results, settings: Settings, ffn: str):
 
 def main(argv):
   del argv
-  dev = jax.devices()[0]
-  names = ("heads", "kv_heads", "head_dim", "attn_groups", "tiles", "config",
-           "ffn", "row_len", "model_cases", "grpo", "agent_steps",
-           "agent_start",
-           "agent_final", "agent_rewrite", "reps")
-  results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-             "device": getattr(dev, "device_kind", str(dev)),
-             "jax": jax.__version__,
-             "flags": {n: flags.FLAGS[n].value for n in names}}
+  results = timing.run_header()
   print("device:", results["device"], flush=True)
   # How the model step runs; the attention section picks its tiles.
   settings = _settings()

@@ -529,18 +529,34 @@ class Engine:
         seqs = [s for s in seqs if s in self.running]
 
   def _batch(self, seqs: list[_Seq], extra: int):
-    """Bucketed block tables and sampling arrays of a decode batch."""
+    """(B, block tables, sampling arrays, budget_B, stops_BxS) of a decode
+    batch, bucketed: a row's budget is the tokens it may still make, its
+    stops its stop token ids (-1: none)."""
     B = _bucket(len(seqs), self.config.max_batch)
     width = _bucket(max(self.pool.pages_for(len(s.tokens) + extra)
                         for s in seqs), low=_MIN_PAGES)
     tables = np.zeros((B, width), np.int32)
+    budget = np.zeros(B, np.int32)
+    stops = np.full((B, _MAX_STOP_IDS), -1, np.int32)
     for r, s in enumerate(seqs):
       row = s.table.pages[:width]
       tables[r, :len(row)] = row
+      budget[r] = min(s.params.max_tokens - len(s.generated),
+                      self.max_seq_len - len(s.tokens))
+      ids = s.params.stop_token_ids[:_MAX_STOP_IDS]
+      stops[r, :len(ids)] = ids
     sa = sampling.arrays([s.params for s in seqs],
                          [s.request.seeds[s.index] for s in seqs],
                          [len(s.generated) for s in seqs], B)
-    return B, tables, sa
+    return B, tables, sa, budget, stops
+
+  def _emit_rows(self, seqs: list[_Seq], out, logprob, count) -> None:
+    """Emit each row's `count` tokens of a compiled decode call."""
+    for r, s in enumerate(seqs):
+      c = int(count[r])
+      s.computed = len(s.tokens) + c - 1
+      self._emit(s, [int(t) for t in out[r, :c]],
+                 [float(x) for x in logprob[r, :c]])
 
   def _decode(self, seqs: list[_Seq]):
     """`decode_steps` tokens for every sequence in one compiled call; a row
@@ -548,27 +564,17 @@ class Engine:
     the host afterwards)."""
     n = self.config.decode_steps
     seqs = self._grow_or_preempt(seqs, n - 1)
-    B, tables, sa = self._batch(seqs, n - 1)
+    B, tables, sa, budget, stops = self._batch(seqs, n - 1)
     tokens = np.zeros(B, np.int32)
     kv_lens = np.zeros(B, np.int32)
-    budget = np.zeros(B, np.int32)
-    stops = np.full((B, _MAX_STOP_IDS), -1, np.int32)
     for r, s in enumerate(seqs):
       tokens[r] = s.tokens[-1]
       kv_lens[r] = len(s.tokens)
-      budget[r] = min(s.params.max_tokens - len(s.generated),
-                      self.max_seq_len - len(s.tokens))
-      ids = s.params.stop_token_ids[:_MAX_STOP_IDS]
-      stops[r, :len(ids)] = ids
     out, logprob, count, self.pages = self._call(
         _decode_fn(self.model_config, n), self.variables, self.pages, tokens,
         tables, kv_lens, budget, stops, sa)
     out, logprob, count = (np.asarray(x) for x in (out, logprob, count))
-    for r, s in enumerate(seqs):
-      c = int(count[r])
-      s.computed = len(s.tokens) + c - 1
-      self._emit(s, [int(t) for t in out[r, :c]],
-                 [float(x) for x in logprob[r, :c]])
+    self._emit_rows(seqs, out, logprob, count)
     self.stats["decode_steps"] += n
     self.stats["decode_tokens"] += int(count[:len(seqs)].sum())
 
@@ -638,24 +644,17 @@ class Engine:
     are cut on the host afterwards)."""
     K, R = self.config.mtp_draft, self.config.decode_steps
     seqs = self._grow_or_preempt(seqs, R * (K + 1))
-    B, tables, sa = self._batch(seqs, R * (K + 1))
+    B, tables, sa, budget, stops = self._batch(seqs, R * (K + 1))
     W = 2 * K
     slots = np.zeros(B, np.int32)
     recent = np.zeros((B, W), np.int32)   # tokens at positions m-W+1..m
     m = np.zeros(B, np.int32)             # position of the token to feed
-    live = np.zeros(B, bool)
-    budget = np.zeros(B, np.int32)
-    stops = np.full((B, _MAX_STOP_IDS), -1, np.int32)
+    live = np.arange(B) < len(seqs)
     for r, s in enumerate(seqs):
       slots[r] = s.slot
       m[r] = len(s.tokens) - 1
       tail = s.tokens[max(0, len(s.tokens) - W):]
       recent[r, W - len(tail):] = tail
-      live[r] = True
-      budget[r] = min(s.params.max_tokens - len(s.generated),
-                      self.max_seq_len - len(s.tokens))
-      ids = s.params.stop_token_ids[:_MAX_STOP_IDS]
-      stops[r, :len(ids)] = ids
     (out, logprob, count, accepted_BxK, self.pages, self.mtp_pages,
      self.ring) = self._call(
          _spec_fn(self.model_config, K, R), self.variables, self.pages,
@@ -664,11 +663,7 @@ class Engine:
     out, logprob, count, accepted_BxK = (
         np.asarray(x) for x in (out, logprob, count, accepted_BxK))
     n = len(seqs)
-    for r, s in enumerate(seqs):
-      c = int(count[r])
-      s.computed = len(s.tokens) + c - 1
-      self._emit(s, [int(t) for t in out[r, :c]],
-                 [float(x) for x in logprob[r, :c]])
+    self._emit_rows(seqs, out, logprob, count)
     # A round emits its accepted drafts and one token of the main model.
     accepted = int(accepted_BxK[:n].sum())
     self.stats["decode_steps"] += R
