@@ -168,6 +168,9 @@ def test_rl_config_selects_the_algorithm():
     rl_step.RLConfig(algorithm="ppo")
   with pytest.raises(ValueError, match="RLConfig.kl_coef"):
     rl_step.RLConfig(kl_coef=-0.1)
+  with pytest.raises(ValueError, match="needs the reference log-probs"):
+    x = jnp.zeros((1, 2))
+    rl_step.policy_loss(x, x, x, x, config=rl_step.RLConfig(kl_coef=0.1))
   with pytest.raises(ValueError, match="PPOClipConfig.normalize"):
     objectives.PPOClipConfig(normalize="token")
 

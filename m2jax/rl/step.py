@@ -252,6 +252,9 @@ def policy_loss(logprobs_SxL, old_logprobs_SxL, advantages_SxL, weights_SxL,
                                              advantages_SxL, weights_SxL,
                                              config.policy)
   if config.kl_coef:
+    if ref_logprobs_SxL is None:
+      raise ValueError("policy_loss: RLConfig.kl_coef > 0 needs the "
+                       "reference log-probs (ref_logprobs_SxL)")
     kl = objectives.reference_kl(logprobs_SxL, ref_logprobs_SxL,
                                  weights_SxL)
     loss = loss + config.kl_coef * kl
