@@ -117,10 +117,10 @@ def test_train_step_over_rows_equals_one_batch():
     results.append(step(state, batches))
   (rows_state, rows_m), (one_state, one_m) = results
   assert int(rows_state.step) == 1
-  for key in ("loss", "cispo/loss", "mtp/ce", "grad_norm"):
+  for key in ("loss", "policy/loss", "mtp/ce", "grad_norm"):
     np.testing.assert_allclose(rows_m[key], one_m[key], rtol=1e-5,
                                err_msg=key)
-  assert float(one_m["mtp/ce"]) > 0 and float(one_m["cispo/tokens"]) > 0
+  assert float(one_m["mtp/ce"]) > 0 and float(one_m["policy/tokens"]) > 0
   for (path, a), b, p0 in zip(
       jax.tree_util.tree_leaves_with_path(rows_state.params),
       jax.tree_util.tree_leaves(one_state.params),

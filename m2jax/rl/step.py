@@ -6,8 +6,28 @@ Samples are merged into prefix trees and packed into rows
 layout, gathers every sample's per-token log-probs back to its own layout
 and computes the loss there, so the objective is exactly the unmerged one:
 
-  loss = CISPO(log pi, old log pi, A; token weights)            (cispo.py)
+  loss = policy loss(log pi, old log pi, A; token weights w)
+           CISPO (cispo.py, the default) or PPO-clip (GRPO, DAPO;
+           objectives.py), by RLConfig.algorithm
+       + kl_coef * sum w * k3(ref log pi, log pi)      (optional)
        + mtp_weight * mean_k sum w_k * (-log p_k)     (optional, depth k)
+
+The algorithms (RLConfig.algorithm; clip ranges and normalisations in
+RLConfig.cispo / .grpo / .dapo):
+  "cispo"  clipped ratio as a stop-gradient weight, per-group token mean
+  "grpo"   PPO-clip, eps 0.2, a token mean per sample then over samples
+  "dapo"   PPO-clip with Clip-Higher (eps 0.2 / 0.28), one token mean over
+           the batch; the trainer drops groups of equal rewards first
+           (objectives.dynamic_sampling, RLConfig.dynamic_sampling)
+Advantages come in as a payload; the trainer computes them with
+objectives.group_advantages(rewards, groups, std=config.advantage_std).
+
+KL (kl_coef > 0): the reference policy's log-probs are computed on the
+same merged rows (`reference_logprobs`, a forward pass with the reference
+parameters) and stored in the batch before the step. The metrics
+"policy/entropy" (the policy's entropy on trained tokens, weighted like the
+loss), "policy/clip_fraction" and "policy/kl" are means under the
+algorithm's normalisation.
 
 MTP (k = 1..mtp_depth): depth k's log-prob of token l of a sample, read
 from the tree-layout MTP logits at the token's parent (valid where
@@ -30,6 +50,9 @@ tokens and documents, reported as pretraining reports them
   trees = prefix_tree.pack(seqs, row_len=T, loss_masks=masks, payloads={
       "old_logprobs": old, "advantages": adv})
   batches = make_batches(trees, group_ids, config, rows_per_batch=1)
+  if config.kl_coef:
+    batches = [b._replace(ref_logprobs=ref_fn(ref_params, ref_bias, b))
+               for b in batches]   # ref_fn: jit(reference_logprobs)
   state, metrics = train_step(state, stack_batches(batches),
                               model_config=mcfg, train_config=tcfg,
                               config=config)
@@ -52,6 +75,7 @@ import numpy as np
 from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.rl import cispo
+from m2jax.rl import objectives
 from m2jax.rl import prefix_tree
 from m2jax.train import losses
 from m2jax.train import state as state_lib
@@ -61,16 +85,49 @@ from m2jax.train.config import TrainConfig
 # The MTP loss weight at the end of pretraining's decay phase (the paper
 # anneals 0.3 -> 0.1; SPEC §2): RL continues from there.
 MTP_WEIGHT = 0.1
+ALGORITHMS = ("cispo", "grpo", "dapo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
-  """The policy loss and the MTP modules trained alongside it."""
+  """The policy objective, the KL to a reference policy, the advantages and
+  the MTP modules trained alongside (module docstring).
+
+  algorithm: "cispo" | "grpo" | "dapo"; the clip range and normalisation
+    are the field of that name (`policy`).
+  kl_coef: weight of the k3 KL to the reference policy; 0 turns it off
+    (no reference forward pass).
+  advantage_std: divide group-relative advantages by the group std (GRPO,
+    DAPO) or not (Dr. GRPO); read by the trainer for
+    objectives.group_advantages.
+  """
+  algorithm: str = "cispo"
   cispo: cispo.CISPOConfig = cispo.CISPOConfig()
+  grpo: objectives.PPOClipConfig = objectives.GRPO
+  dapo: objectives.PPOClipConfig = objectives.DAPO
+  kl_coef: float = 0.0
+  advantage_std: bool = True
   mtp_depth: int = 0
   mtp_weight: float = MTP_WEIGHT
 
+  @property
+  def policy(self):
+    """The selected algorithm's config (clip range, normalisation)."""
+    return getattr(self, self.algorithm)
+
+  @property
+  def dynamic_sampling(self) -> bool:
+    """Whether the trainer drops groups of equal rewards
+    (objectives.dynamic_sampling): part of DAPO."""
+    return self.algorithm == "dapo"
+
   def __post_init__(self):
+    if self.algorithm not in ALGORITHMS:
+      raise ValueError(f"RLConfig.algorithm: must be one of {ALGORITHMS} "
+                       f"(got {self.algorithm!r})")
+    if not 0 <= self.kl_coef < float("inf"):
+      raise ValueError(f"RLConfig.kl_coef: must be finite and >= 0 (got "
+                       f"{self.kl_coef!r})")
     if self.mtp_depth < 0:
       raise ValueError(f"RLConfig.mtp_depth: must be >= 0 (got "
                        f"{self.mtp_depth!r})")
@@ -89,8 +146,9 @@ class RLBatch(NamedTuple):
   parent: np.ndarray        # [R, T] int32, -1 at roots and padding
   sample_index: np.ndarray  # [S, L] int32, r * T + t in these rows, -1 pad
   old_logprobs: np.ndarray  # [S, L] float32
+  ref_logprobs: np.ndarray  # [S, L] float32, reference policy (KL only)
   advantages: np.ndarray    # [S, L] float32
-  weights: np.ndarray       # [S, L] float32, CISPO token weights
+  weights: np.ndarray       # [S, L] float32, the objective's token weights
   mtp_weights: np.ndarray   # [K, S, L] float32, depth-k CE weights
 
 
@@ -113,7 +171,10 @@ def make_batches(trees: prefix_tree.PackedTrees, group_ids_S,
   Every micro-batch has the same shapes (one compiled step): the last one
   gets padding rows, and each holds `samples_per_batch` sample slots
   (default: the most any micro-batch needs; padding slots weigh 0).
-  `trees.payloads` must hold "old_logprobs" and "advantages".
+  `trees.payloads` must hold "old_logprobs" and "advantages". With
+  `config.kl_coef` > 0, `ref_logprobs` is the payload of that name if
+  given, else NaN until `reference_logprobs` fills it (a forgotten
+  reference pass shows as a NaN loss, not as a wrong KL).
   """
   missing = {"old_logprobs", "advantages"} - set(trees.payloads)
   if missing:
@@ -122,7 +183,12 @@ def make_batches(trees: prefix_tree.PackedTrees, group_ids_S,
   k = R if rows_per_batch is None else rows_per_batch
   if k < 1:
     raise ValueError(f"make_batches: rows_per_batch must be >= 1, got {k}")
-  weights = cispo.token_weights(trees.loss_mask, group_ids_S, config.cispo)
+  weights = objectives.token_weights(trees.loss_mask, group_ids_S,
+                                     config.policy.normalize)
+  ref = trees.payloads.get("ref_logprobs")
+  if ref is None:
+    ref = np.full(trees.loss_mask.shape,
+                  np.nan if config.kl_coef else 0.0, np.float32)
   mtp_weights = _mtp_weights(trees.loss_mask, config.mtp_depth)
   row_of_sample = trees.sample_index[:, 0] // T
   starts = range(0, R, k)
@@ -158,6 +224,7 @@ def make_batches(trees: prefix_tree.PackedTrees, group_ids_S,
         parent=rows(trees.parent, a, -1),
         sample_index=np.where(index >= 0, index - a * T, -1).astype(np.int32),
         old_logprobs=slots(trees.payloads["old_logprobs"], ids, 0),
+        ref_logprobs=slots(ref, ids, 0),
         advantages=slots(trees.payloads["advantages"], ids, 0),
         weights=slots(weights, ids, 0),
         mtp_weights=slots(mtp_weights, ids, 0, axis=1)))
@@ -169,6 +236,51 @@ def stack_batches(batches) -> RLBatch:
   return RLBatch(*(np.stack(field) for field in zip(*batches)))
 
 
+def policy_loss(logprobs_SxL, old_logprobs_SxL, advantages_SxL, weights_SxL,
+                ref_logprobs_SxL=None, *, config: RLConfig):
+  """(loss, metrics): the algorithm's policy loss plus kl_coef times the
+  k3 KL to the reference log-probs (used only when kl_coef > 0), all
+  [S, L] inputs, weighted sums with the weights of
+  objectives.token_weights. Metrics: "policy/loss" (the policy term),
+  "policy/clip_fraction", "policy/tokens" and, with KL, "policy/kl"."""
+  if config.algorithm == "cispo":
+    loss, metrics = cispo.cispo_loss(logprobs_SxL, old_logprobs_SxL,
+                                     advantages_SxL, weights_SxL,
+                                     config.cispo)
+  else:
+    loss, metrics = objectives.ppo_clip_loss(logprobs_SxL, old_logprobs_SxL,
+                                             advantages_SxL, weights_SxL,
+                                             config.policy)
+  if config.kl_coef:
+    if ref_logprobs_SxL is None:
+      raise ValueError("policy_loss: RLConfig.kl_coef > 0 needs the "
+                       "reference log-probs (ref_logprobs_SxL)")
+    kl = objectives.reference_kl(logprobs_SxL, ref_logprobs_SxL,
+                                 weights_SxL)
+    loss = loss + config.kl_coef * kl
+    metrics["policy/kl"] = kl
+  return loss, metrics
+
+
+def _forward(params, expert_bias, batch: RLBatch, model_config, mtp_depth):
+  return model.forward(model_config,
+                       state_lib.model_variables(params, expert_bias),
+                       batch.tokens, segment_ids=batch.segment_ids,
+                       positions=batch.positions,
+                       subtree_end=batch.subtree_end, parent=batch.parent,
+                       mtp_depth=mtp_depth)
+
+
+def reference_logprobs(ref_params, expert_bias, batch: RLBatch, *,
+                       model_config: ModelConfig):
+  """[S, L] float32: the reference policy's log-probs of every sample token
+  of `batch`, computed on its merged rows (jittable). `expert_bias` is the
+  reference model's. Store them with batch._replace(ref_logprobs=...)."""
+  out = _forward(ref_params, expert_bias, batch, model_config, 0)
+  return prefix_tree.sample_logprobs(out.logits, batch.tokens, batch.parent,
+                                     batch.sample_index)
+
+
 def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
             config: RLConfig):
   """(loss, (metrics, model output)) of one micro-batch (module docstring).
@@ -176,18 +288,16 @@ def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
   Metrics are weighted sums, so a batch's are the sums over its
   micro-batches.
   """
-  variables = state_lib.model_variables(params, expert_bias)
   tokens, parent = batch.tokens, batch.parent
-  out = model.forward(model_config, variables, tokens,
-                      segment_ids=batch.segment_ids,
-                      positions=batch.positions,
-                      subtree_end=batch.subtree_end, parent=parent,
-                      mtp_depth=config.mtp_depth)
+  out = _forward(params, expert_bias, batch, model_config, config.mtp_depth)
   logprobs_SxL = prefix_tree.sample_logprobs(out.logits, tokens, parent,
                                              batch.sample_index)
-  loss, metrics = cispo.cispo_loss(logprobs_SxL, batch.old_logprobs,
-                                   batch.advantages, batch.weights,
-                                   config.cispo)
+  loss, metrics = policy_loss(logprobs_SxL, batch.old_logprobs,
+                              batch.advantages, batch.weights,
+                              batch.ref_logprobs, config=config)
+  entropy_SxL = objectives.sample_entropy(jax.lax.stop_gradient(out.logits),
+                                          parent, batch.sample_index)
+  metrics["policy/entropy"] = jnp.sum(batch.weights * entropy_SxL)
   if config.mtp_depth:
     ces = []
     for k, logits_k in enumerate(out.mtp_logits, start=1):
