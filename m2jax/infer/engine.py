@@ -254,6 +254,25 @@ class Engine:
     with sharding.use_mesh(self.mesh):
       return fn(*args)
 
+  def update_variables(self, variables) -> None:
+    """New weights (RL's weight sync): later compiled steps read them.
+
+    The prefix cache is emptied (its pages hold the old weights' keys and
+    values). Running sequences go on from their cached entries: their next
+    tokens come from the new weights, over a context whose keys and values
+    the old weights computed, and the log-probs they report are those of
+    that computation, the behaviour RL corrects for."""
+    variables = inference_variables(self.model_config, variables)
+    if self.mesh is not None:
+      variables = sharding.place(variables, sharding.variable_shardings(
+          self.model_config, self.mesh))
+    old = jax.tree.structure(self.variables)
+    if jax.tree.structure(variables) != old:
+      raise EngineError("update_variables: the new variables' tree differs "
+                        "from the engine's (another model config?)")
+    self.variables = variables
+    self.pool.new_epoch()
+
   # ------------------------------------------------------------ requests --
 
   def add_request(self, prompt_ids, params: SamplingParams = SamplingParams()
@@ -595,12 +614,16 @@ class Engine:
     return None
 
   def _hit_stop(self, seq: _Seq) -> bool:
-    """Cut the sample before the first stop string, if one appeared."""
+    """Cut the sample before the first stop string, if one appeared (after
+    it with `include_stop_str_in_output`)."""
     text = self.tokenizer.decode(np.asarray(seq.generated))
-    cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0),
-              default=-1)
-    if cut < 0:
+    found = [(i, s) for i, s in ((text.find(s), s) for s in seq.params.stop)
+             if i >= 0]
+    if not found:
       return False
+    cut, stop = min(found)
+    if seq.params.include_stop_str_in_output:
+      cut += len(stop)
     # Keep the shortest token prefix whose text reaches the cut.
     for n in range(len(seq.generated) + 1):
       if len(self.tokenizer.decode(np.asarray(seq.generated[:n]))) >= cut:

@@ -19,6 +19,9 @@ token ids up to its end; a page with a key can be shared:
 
 A page is only keyed once all its slots hold computed keys of known tokens,
 so a cached page is always exactly what a prefill of those tokens writes.
+New weights (`new_epoch`, when RL syncs the policy) empty the cache, and
+tables made before then are never keyed: their pages hold keys and values
+of the old weights.
 
 With MTP speculative decoding the MTP modules' pages ride along in the same
 page ids, and module k's entry at position p depends on the token at p + k:
@@ -54,6 +57,7 @@ class PageTable:
   """One sequence's pages in order, and how many of its tokens are cached."""
   pages: list[int] = dataclasses.field(default_factory=list)
   keys: list[bytes | None] = dataclasses.field(default_factory=list)
+  epoch: int = 0   # the pool's weights epoch when the table was made
 
 
 class PagePool:
@@ -75,6 +79,7 @@ class PagePool:
     self._page_of: dict[bytes, int] = {}
     # Keyed pages nobody holds, oldest use first: evicted on demand.
     self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()
+    self.epoch = 0
 
   # ------------------------------------------------------------ counting --
 
@@ -133,6 +138,17 @@ class PagePool:
       table.pages.append(self._take())
       table.keys.append(None)
 
+  def new_epoch(self) -> None:
+    """The model's weights changed: every cached page is stale. Idle cached
+    pages are freed, held ones lose their keys (freed on release), and
+    tables made before now are never keyed again (`commit`)."""
+    self.epoch += 1
+    for page in self._idle:
+      self._free.append(page)
+    self._idle.clear()
+    self._key_of.clear()
+    self._page_of.clear()
+
   # ------------------------------------------------------------- sharing --
 
   def shareable(self, num_computed: int) -> int:
@@ -154,7 +170,7 @@ class PagePool:
     """A table holding the cached full pages that start `tokens` (maybe
     none). The last token (and the `margin` before it) is never covered,
     so a prompt always has tokens left to compute its logits from."""
-    table = PageTable()
+    table = PageTable(epoch=self.epoch)
     if not self.prefix_cache:
       return table
     for key in self._keys(tokens, self.shareable(len(tokens) - 1)):
@@ -170,7 +186,10 @@ class PagePool:
 
   def commit(self, table: PageTable, tokens, num_computed: int) -> None:
     """Key every shareable page of `table` (all its slots hold computed
-    keys of `tokens`, the first num_computed) so others can share it."""
+    keys of `tokens`, the first num_computed) so others can share it.
+    A table of an earlier weights epoch is left unkeyed."""
+    if table.epoch != self.epoch:
+      return
     for i, key in enumerate(self._keys(tokens,
                                        self.shareable(num_computed))):
       if table.keys[i] is None:
@@ -194,7 +213,8 @@ class PagePool:
     tables, moves = [], []
     try:
       for _ in range(copies):
-        t = PageTable(list(table.pages[:shared]), list(table.keys[:shared]))
+        t = PageTable(list(table.pages[:shared]), list(table.keys[:shared]),
+                      table.epoch)
         tables.append(t)
         for page in t.pages:
           self._hold(page)

@@ -53,6 +53,9 @@ class SamplingParams:
     stop token is not returned, its reason is "stop").
   stop: strings that end a sample; the text is cut before the first one.
   n: independent samples of the prompt (they share its KV pages).
+  include_stop_str_in_output: keep the stop string's tokens (and their
+    log-probs) at the end of the output instead of cutting before it (vLLM's
+    name): RL trains on the end-of-turn marker the policy emitted.
   """
   temperature: float = 1.0
   top_k: int = 0
@@ -62,6 +65,7 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   stop: tuple[str, ...] = ()
   n: int = 1
+  include_stop_str_in_output: bool = False
 
   def __post_init__(self):
     def fail(field, rule):

@@ -388,32 +388,46 @@ class Pool:
     """Store a trajectory with all its steps in one transaction. Returns
     once it is durable (acknowledged); a duplicate id or queue_seq is
     refused and nothing is written."""
-    if not isinstance(trajectory, Trajectory):
-      raise PoolError(f"Pool.add: {type(trajectory).__name__}, expected a "
-                      "Trajectory")
-    t, now = trajectory, time.time()
-    tid = t.trajectory_id
-    steps = [(tid, i, s.state.astype(_TOKENS).tobytes(),
-              s.action.astype(_TOKENS).tobytes(),
-              s.logprobs.astype(_LOGPROBS).tobytes(), s.policy_version,
-              s.reward) for i, s in enumerate(t.steps)]
+    self.add_many([trajectory], what="Pool.add")
+
+  def add_many(self, trajectories: Iterable[Trajectory], *,
+               what: str = "Pool.add_many") -> None:
+    """Store several trajectories (a GRPO group) in one transaction: all of
+    them or none, as `add` stores one."""
+    trajectories = list(trajectories)
+    for t in trajectories:
+      if not isinstance(t, Trajectory):
+        raise PoolError(f"{what}: {type(t).__name__}, expected a "
+                        "Trajectory")
+    ids = [t.trajectory_id for t in trajectories]
+    seqs = [t.queue_seq for t in trajectories]
+    for name, values in (("trajectory id", ids), ("queue_seq", seqs)):
+      if len(set(values)) != len(values):
+        raise PoolError(f"{what}: a {name} is given twice")
+    now = time.time()
     with self._write() as db:
-      if db.execute("SELECT 1 FROM trajectories WHERE trajectory_id = ?",
-                    (tid,)).fetchone():
-        raise PoolError(f"Pool.add: trajectory {tid!r} is already in the "
-                        "pool")
-      other = db.execute("SELECT trajectory_id FROM trajectories "
-                         "WHERE queue_seq = ?", (t.queue_seq,)).fetchone()
-      if other:
-        raise PoolError(f"Pool.add: queue_seq {t.queue_seq} of {tid!r} is "
-                        f"taken by {other[0]!r}")
-      db.execute(
-          "INSERT INTO trajectories VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-          (tid, t.group_id, t.env, t.task_id, t.difficulty, len(t.steps),
-           t.reward, _json("Trajectory.verification", t.verification),
-           t.queue_seq, t.policy_version, t.submitted_at, t.finished_at,
-           now))
-      db.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?)", steps)
+      for t in trajectories:
+        tid = t.trajectory_id
+        if db.execute("SELECT 1 FROM trajectories WHERE trajectory_id = ?",
+                      (tid,)).fetchone():
+          raise PoolError(f"{what}: trajectory {tid!r} is already in the "
+                          "pool")
+        other = db.execute("SELECT trajectory_id FROM trajectories "
+                           "WHERE queue_seq = ?", (t.queue_seq,)).fetchone()
+        if other:
+          raise PoolError(f"{what}: queue_seq {t.queue_seq} of {tid!r} is "
+                          f"taken by {other[0]!r}")
+        db.execute(
+            "INSERT INTO trajectories VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (tid, t.group_id, t.env, t.task_id, t.difficulty, len(t.steps),
+             t.reward, _json("Trajectory.verification", t.verification),
+             t.queue_seq, t.policy_version, t.submitted_at, t.finished_at,
+             now))
+        db.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?)", [
+            (tid, i, s.state.astype(_TOKENS).tobytes(),
+             s.action.astype(_TOKENS).tobytes(),
+             s.logprobs.astype(_LOGPROBS).tobytes(), s.policy_version,
+             s.reward) for i, s in enumerate(t.steps)])
 
   def mark_trained(self, ids: Iterable[str], *, train_step: int,
                    policy_version: int) -> None:

@@ -1,0 +1,238 @@
+r"""Forge RL on a verifiable environment: warm start, rollouts, training.
+
+  python -m experiments.rl --preset=tiny --env=arithmetic --workdir=runs/rl
+  python -m experiments.rl --workdir=runs/rl --resume          # continue
+  python -m experiments.rl --preset=tiny --env=sorting --algo=dapo \
+      --mode=async --schedule=windowed --latency_scale=0.01 --steps=200
+
+A run first fine-tunes the model on the environment's generated
+demonstrations (--warm_start_steps of SFT, m2jax.train.sft, in
+WORKDIR/warm_start), then alternates rollouts (the generation engine, GRPO
+groups of --group_size samples) and policy updates (CISPO by default, or the
+GRPO / DAPO baselines) on prefix-tree-merged rows. WORKDIR holds
+config.json, the data pool (pool.sqlite: every verified trajectory and what
+trained on it), checkpoints/, metrics.jsonl and tensorboard/
+(m2jax/rl/loop.py says what each holds).
+
+--resume continues WORKDIR with the configs it saved: a flag left out keeps
+the run's value; --steps and the cadence flags may change; any other flag
+given that contradicts the run is refused, naming the field. A killed run
+resumes from its newest checkpoint with its pool intact, and trains no
+trajectory twice. All logic is in m2jax.rl; this file turns flags into
+configs.
+"""
+
+import dataclasses
+import json
+import os
+
+from absl import flags, logging
+
+from experiments import cli, run_flags, train_flags
+from m2jax.config import ConfigError, ModelConfig, config_from_dict, \
+    get_preset
+from m2jax.infer.engine import EngineConfig
+from m2jax.rl import envs
+from m2jax.rl import loop
+from m2jax.rl import rollout as rollout_lib
+from m2jax.rl import scheduler as sched_lib
+from m2jax.rl import step as rl_step
+from m2jax.rl import trainer as trainer_lib
+from m2jax.train import resume, sft
+from m2jax.train.config import TrainConfig
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", "runs/rl", "Run directory.")
+flags.DEFINE_bool("resume", False, "Continue from the newest checkpoint.")
+flags.DEFINE_string("preset", "tiny", "Model preset (m2jax.config.PRESETS).")
+flags.DEFINE_string("init", None, "Start from a pretraining or SFT run "
+                    "directory (its newest checkpoint and tokenizer) instead "
+                    "of a fresh init.")
+# The environment.
+flags.DEFINE_enum("env", "arithmetic", sorted(envs.ENVS), "Environment.")
+flags.DEFINE_string("env_config", "", "Environment fields as "
+                    "FIELD=VALUE;FIELD=VALUE, lists comma-separated, e.g. "
+                    "'levels=1,2;ops=+' (m2jax/rl/envs says the fields).")
+flags.DEFINE_float("latency_scale", 0.0, "Wall seconds per simulated "
+                   "environment second (0: the environment answers at once).")
+# The algorithm.
+flags.DEFINE_enum("algo", "cispo", list(rl_step.ALGORITHMS), "Policy loss: "
+                  "CISPO, or the GRPO (PPO-clip) and DAPO baselines.")
+flags.DEFINE_float("kl_coef", 0.0, "KL to the warm-start policy (0: off).")
+flags.DEFINE_enum("mode", "sync", list(loop.MODES), "sync: generate, then "
+                  "train; async: rollouts and training overlap.")
+flags.DEFINE_enum("schedule", "windowed", list(sched_lib.POLICIES),
+                  "Which finished groups the trainer may take.")
+flags.DEFINE_float("window", sched_lib.ScheduleConfig.window, "Windowed "
+                   "FIFO: the share of the queue the trainer may take from.")
+flags.DEFINE_integer("max_lag", sched_lib.ScheduleConfig.max_lag,
+                     "Most policy versions a trained group may lag.")
+# Rollouts.
+flags.DEFINE_integer("steps", 100, "Policy updates.")
+flags.DEFINE_integer("groups_per_step", 8, "GRPO groups per update.")
+flags.DEFINE_integer("group_size", 8, "Samples per task.")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+flags.DEFINE_integer("max_new_tokens", 32, "Action length at most.")
+flags.DEFINE_integer("max_in_flight", None, "Groups in flight (async; "
+                     "default 2 x groups_per_step).")
+flags.DEFINE_integer("max_batch", 128, "Engine: sequences decoded at once.")
+flags.DEFINE_integer("num_pages", 2048, "Engine: KV pages.")
+flags.DEFINE_integer("page_size", 16, "Engine: tokens per KV page.")
+# Training.
+flags.DEFINE_float("learning_rate", 1e-3, "RL learning rate.")
+flags.DEFINE_integer("warmup_steps", 5, "RL learning-rate warmup.")
+flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
+flags.DEFINE_integer("row_len", 512, "Tokens per merged row.")
+flags.DEFINE_integer("rows_per_micro_batch", 4, "Rows per micro-batch.")
+flags.DEFINE_bool("merge", True, "Prefix-tree merging of the batch.")
+flags.DEFINE_integer("warm_start_steps", 200, "SFT steps on demonstrations "
+                     "before RL (0: none).")
+flags.DEFINE_float("warm_start_learning_rate", 3e-3, "SFT learning rate.")
+flags.DEFINE_integer("eval_every", 10, "Steps between greedy evals on "
+                     "held-out tasks (0: none).")
+flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks per eval.")
+flags.DEFINE_integer("checkpoint_every", 10, "Steps between checkpoints.")
+flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")
+
+run_flags.define()  # --mesh, the Settings flags, multi-host
+
+# {flag: field} per config, for --resume.
+MAY_CHANGE = frozenset({"steps", "checkpoint_every", "eval_every",
+                        "eval_tasks"})
+RUN_FLAGS = {"env": "env", "mode": "mode", "steps": "steps",
+             "groups_per_step": "groups_per_step",
+             "max_in_flight": "max_in_flight",
+             "warm_start_steps": "warm_start_steps",
+             "warm_start_learning_rate": "warm_start_learning_rate",
+             "eval_every": "eval_every", "eval_tasks": "eval_tasks",
+             "checkpoint_every": "checkpoint_every", "seed": "seed"}
+ROLLOUT_FLAGS = {"group_size": "group_size", "temperature": "temperature",
+                 "max_new_tokens": "max_new_tokens",
+                 "latency_scale": "latency_scale"}
+SCHEDULE_FLAGS = {"schedule": "policy", "window": "window",
+                  "max_lag": "max_lag"}
+TRAINER_FLAGS = {"row_len": "row_len",
+                 "rows_per_micro_batch": "rows_per_micro_batch",
+                 "merge": "merge"}
+RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef"}
+TRAIN_FLAGS = {"learning_rate": "learning_rate",
+               "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
+               "seed": "seed"}
+
+
+def _env_fields() -> tuple:
+  """((field, value), ...) of --env_config, typed like the env's defaults."""
+  cls = envs.ENVS[FLAGS.env]
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+  out = []
+  for item in filter(None, FLAGS.env_config.split(";")):
+    key, sep, text = item.partition("=")
+    if not sep or key not in defaults:
+      raise ConfigError(f"--env_config: {item!r} is not FIELD=VALUE with a "
+                        f"field of {cls.__name__} ({', '.join(defaults)})")
+    default = defaults[key]
+    try:
+      if isinstance(default, tuple) or default is None:
+        kind = type(default[0]) if default else float
+        value = tuple(kind(v) for v in text.split(","))
+      else:
+        value = type(default)(text)
+    except ValueError:
+      raise ConfigError(f"--env_config: {key}={text!r} does not read as "
+                        f"{cls.__name__}.{key}") from None
+    out.append((key, value))
+  return tuple(out)
+
+
+def _fresh_configs(mcfg: ModelConfig):
+  steps = FLAGS.steps
+  train = TrainConfig(
+      steps=steps, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
+      warmup_steps=FLAGS.warmup_steps, decay_fraction=0.0, min_lr_ratio=1.0,
+      weight_decay=0.0, grad_clip=FLAGS.grad_clip,
+      mtp_depth=mcfg.num_mtp_modules, mtp_weight=rl_step.MTP_WEIGHT,
+      mtp_weight_final=rl_step.MTP_WEIGHT,
+      checkpoint_every=FLAGS.checkpoint_every)
+  rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
+                        mtp_depth=mcfg.num_mtp_modules)
+  run = loop.RLRunConfig(
+      env=FLAGS.env, env_fields=_env_fields(), mode=FLAGS.mode, steps=steps,
+      groups_per_step=FLAGS.groups_per_step,
+      max_in_flight=FLAGS.max_in_flight,
+      warm_start_steps=FLAGS.warm_start_steps,
+      warm_start_learning_rate=FLAGS.warm_start_learning_rate,
+      eval_every=FLAGS.eval_every, eval_tasks=FLAGS.eval_tasks,
+      checkpoint_every=FLAGS.checkpoint_every, seed=FLAGS.seed)
+  rollout = rollout_lib.RolloutConfig(
+      group_size=FLAGS.group_size, temperature=FLAGS.temperature,
+      max_new_tokens=FLAGS.max_new_tokens, latency_scale=FLAGS.latency_scale)
+  trainer = trainer_lib.TrainerConfig(
+      row_len=FLAGS.row_len, rows_per_micro_batch=FLAGS.rows_per_micro_batch,
+      merge=FLAGS.merge)
+  schedule = sched_lib.ScheduleConfig(
+      policy=FLAGS.schedule, window=FLAGS.window, max_lag=FLAGS.max_lag)
+  return dict(model=mcfg, train=train, rl=rl, run=run, rollout=rollout,
+              trainer=trainer, schedule=schedule)
+
+
+def _resumed_configs(workdir: str):
+  path = os.path.join(workdir, loop.CONFIG_FILE)
+  if not os.path.exists(path):
+    raise ConfigError(f"--resume: {workdir} holds no RL run ({path} is "
+                      "missing)")
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  given = lambda table: train_flags.given(table)  # pylint: disable=unnecessary-lambda-assignment
+  run = resume.resumed_config(loop.RLRunConfig, saved["run"],
+                              given(RUN_FLAGS), may_change=MAY_CHANGE)
+  out = dict(
+      model=config_from_dict(ModelConfig, saved["model"]),
+      train=resume.resumed_config(TrainConfig, saved["train"],
+                                  given(TRAIN_FLAGS)),
+      rl=loop.rl_config_from_dict(saved["rl"]),
+      run=run,
+      rollout=resume.resumed_config(rollout_lib.RolloutConfig,
+                                    saved["rollout"], given(ROLLOUT_FLAGS)),
+      trainer=resume.resumed_config(trainer_lib.TrainerConfig,
+                                    saved["trainer"], given(TRAINER_FLAGS)),
+      schedule=resume.resumed_config(sched_lib.ScheduleConfig,
+                                     saved["schedule"],
+                                     given(SCHEDULE_FLAGS)))
+  for flag, field in RL_FLAGS.items():
+    if FLAGS[flag].present and getattr(out["rl"], field) != FLAGS[flag].value:
+      raise ConfigError(f"RLConfig.{field}: the run has "
+                        f"{getattr(out['rl'], field)!r} but --{flag} gives "
+                        f"{FLAGS[flag].value!r}; leave the flag out to keep "
+                        "the run's value, or train in a fresh --workdir")
+  out["train"] = out["train"].replace(steps=run.steps)
+  return out
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes
+  mesh, settings = run_flags.from_flags()
+  init = None
+  if FLAGS.resume:
+    configs = _resumed_configs(FLAGS.workdir)
+  else:
+    if FLAGS.init is not None:
+      init = sft.load_init(FLAGS.init)
+      mcfg = init.model_config
+    else:
+      mcfg = get_preset(FLAGS.preset)
+    configs = _fresh_configs(mcfg)
+  mcfg = configs["model"].replace(settings=settings)
+  engine = EngineConfig(max_batch=FLAGS.max_batch, num_pages=FLAGS.num_pages,
+                        page_size=FLAGS.page_size)
+  summary = loop.run(
+      mcfg, configs["train"], configs["run"], FLAGS.workdir,
+      rl_config=configs["rl"], rollout_config=configs["rollout"],
+      trainer_config=configs["trainer"], schedule_config=configs["schedule"],
+      engine_config=engine, resume=FLAGS.resume, init=init, mesh=mesh)
+  summary["workdir"] = FLAGS.workdir
+  print(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,586 @@
+"""The Forge RL loop: warm start, rollouts, scheduling, training, weight sync,
+checkpoints and exact resume (SPEC §3).
+
+  summary = run(model_config, train_config, RLRunConfig(env="arithmetic"),
+                workdir="runs/rl")
+
+One run directory holds everything:
+
+  config.json          every config of the run (a resume must match it)
+  warm_start/          the supervised warm start: m2jax.train.sft.finetune
+                       on the environment's generated demonstrations, a
+                       whole SFT run directory (resumable on its own)
+  pool.sqlite          the data pool (m2jax/rl/pool.py): every verified
+                       trajectory, and which train step used it on which
+                       policy version
+  checkpoints/         the policy's train state every `checkpoint_every`
+                       steps, with the policy version and queue position
+  metrics.jsonl, tensorboard/   one line per step (below)
+
+Modes. "sync": each step submits its groups, waits until all are verified,
+trains on them, syncs the weights: on-policy (lag 0), the trainer idle while
+the environments run. "async": a rollout thread keeps up to
+`max_in_flight` groups generating and waiting on their environments while
+the trainer takes batches as the scheduler allows (m2jax/rl/scheduler.py:
+windowed FIFO by default); new weights go to the engine between its steps,
+so rollouts in flight continue under them (their log-probs are the ones
+actually sampled from, what CISPO's ratio corrects).
+
+Each step's batch is `groups_per_step` groups of `group_size` samples. With
+DAPO's dynamic sampling, groups whose rewards are all equal are discarded
+in the pool (reason "no signal") and more groups are taken until the batch
+is full (at most `dynamic_sampling_rounds` times its size).
+
+Resume. A checkpoint saves the train state, the policy version and the next
+queue position. On resume the pool undoes the trainings of the steps after
+the checkpoint (their updates died with the process), and the verified
+groups it holds that no surviving step trained are used before anything new
+is generated: no trained trajectory is trained again, no verified one is
+lost. Tasks and sampling seeds are functions of the run seed and the queue
+position, so in sync mode a resumed run reproduces the uninterrupted one.
+
+metrics.jsonl keys: step, reward_mean, reward_std, accuracy, policy_lag,
+policy_lag_max, samples_per_sec, trainer_idle_fraction, clip_fraction,
+entropy, loss, difficulty_mean, and eval_reward (greedy, held-out tasks)
+every `eval_every` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from m2jax import model
+from m2jax.config import ModelConfig
+from m2jax.data import ByteTokenizer, chat
+from m2jax.data.chat_data import ChatData
+from m2jax.errors import UserError
+from m2jax.infer.engine import Engine, EngineConfig
+from m2jax.infer.sampling import SamplingParams
+from m2jax.rl import cispo
+from m2jax.rl import envs
+from m2jax.rl import objectives
+from m2jax.rl import pool as pool_lib
+from m2jax.rl import rollout as rollout_lib
+from m2jax.rl import scheduler as sched_lib
+from m2jax.rl import step as rl_step
+from m2jax.rl import trainer as trainer_lib
+from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import sft
+from m2jax.train import state as state_lib
+from m2jax.train.config import TrainConfig
+from m2jax.train.metrics import MetricsWriter
+
+MODES = ("sync", "async")
+CONFIG_FILE = "config.json"
+POOL_FILE = "pool.sqlite"
+WARM_START_DIR = "warm_start"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLRunConfig:
+  """What the run does (the model, optimizer and loss have their own).
+
+  env: an environment of m2jax.rl.envs (env_fields: its config fields).
+  mode: "sync" or "async" (module docstring).
+  steps: policy updates.
+  groups_per_step: GRPO groups per update.
+  max_in_flight: groups generating or waiting at once (async; None: twice
+    groups_per_step).
+  dynamic_sampling_rounds: DAPO takes up to this many batches' worth of
+    groups to fill one with groups that carry signal.
+  warm_start_steps: supervised steps on demonstrations before RL (0: none).
+  warm_start_learning_rate, warm_start_batch_size, warm_start_seq_len:
+    that phase's optimizer and rows; demonstrations: how many are drawn.
+  eval_tasks, eval_every: greedy reward on fixed held-out tasks every
+    `eval_every` steps (0: never), logged as eval_reward.
+  checkpoint_every, keep_checkpoints: the policy's checkpoints.
+  seed: tasks, sampling and the model's init.
+  """
+  env: str = "arithmetic"
+  env_fields: tuple[tuple[str, object], ...] = ()
+  mode: str = "sync"
+  steps: int = 100
+  groups_per_step: int = 8
+  max_in_flight: int | None = None
+  dynamic_sampling_rounds: int = 3
+  warm_start_steps: int = 200
+  warm_start_learning_rate: float = 3e-3
+  warm_start_batch_size: int = 16
+  warm_start_seq_len: int = 256
+  demonstrations: int = 4096
+  eval_tasks: int = 64
+  eval_every: int = 10
+  checkpoint_every: int = 10
+  keep_checkpoints: int = 3
+  seed: int = 0
+
+  def __post_init__(self):
+    def fail(field, rule):
+      raise UserError(f"RLRunConfig.{field}: {rule} (got "
+                      f"{getattr(self, field)!r})")
+    if self.mode not in MODES:
+      fail("mode", f"must be one of {MODES}")
+    for field in ("steps", "groups_per_step", "dynamic_sampling_rounds",
+                  "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, field) < 1:
+        fail(field, "must be >= 1")
+    for field in ("warm_start_steps", "eval_tasks", "eval_every"):
+      if getattr(self, field) < 0:
+        fail(field, "must be >= 0")
+    if self.max_in_flight is not None and self.max_in_flight < 1:
+      fail("max_in_flight", "must be None or >= 1")
+    if self.warm_start_steps and self.demonstrations < 2:
+      fail("demonstrations", "must be >= 2 with a warm start")
+
+  @property
+  def in_flight(self) -> int:
+    return self.max_in_flight or 2 * self.groups_per_step
+
+
+def plain(config) -> dict:
+  """A config as JSON data (nested configs as dicts; a model config without
+  its Settings, which say how a step runs, not what it computes)."""
+  out = {}
+  for field in dataclasses.fields(config):
+    if not field.metadata.get("saved", True):
+      continue
+    value = getattr(config, field.name)
+    if dataclasses.is_dataclass(value):
+      value = plain(value)
+    out[field.name] = value
+  return json.loads(json.dumps(out, default=str))
+
+
+def rl_config_from_dict(d: dict) -> rl_step.RLConfig:
+  """The inverse of `plain` for RLConfig (its clip configs nested)."""
+  d = dict(d)
+  nested = {"cispo": cispo.CISPOConfig, "grpo": objectives.PPOClipConfig,
+            "dapo": objectives.PPOClipConfig}
+  for name, cls in nested.items():
+    if name in d:
+      d[name] = cls(**d[name])
+  return rl_step.RLConfig(**d)
+
+
+def check_same(saved: dict, configs: dict) -> None:
+  """ConfigError naming the first field where a run's configs differ from
+  what its checkpoint saved (the run's length may change)."""
+  for name, config in configs.items():
+    now = plain(config)
+    if name == "run":
+      now = dict(now, steps=saved.get(name, {}).get("steps"))
+    old = saved.get(name)
+    if old is None:
+      continue
+    for field in sorted(set(old) | set(now)):
+      if old.get(field) != now.get(field):
+        raise UserError(
+            f"{type(config).__name__}.{field}: the run's checkpoint has "
+            f"{old.get(field)!r} but this run has {now.get(field)!r}; resume "
+            "with the run's config or use a fresh --workdir")
+
+
+class _Group(NamedTuple):
+  """A group as the scheduler sees it (Scheduler.resume)."""
+  trajectory_id: str
+  queue_seq: int
+  policy_version: int
+  finished_at: float
+
+
+# ---------------------------------------------------------------- warm start
+
+
+def demonstration_data(env, tokenizer, run: RLRunConfig) -> ChatData:
+  """The warm start's SFT data: `run.demonstrations` generated tasks with
+  correct answers (1/16 of them held out), chat-formatted."""
+  rng = np.random.default_rng([run.seed, 3])
+  convs = [rollout_lib.demonstration(env, env.sample(rng))
+           for _ in range(run.demonstrations)]
+  held = max(1, len(convs) // 16)
+  config = sft.chat_data_config(
+      tokenizer, source=f"demonstrations:{run.env}",
+      seq_len=run.warm_start_seq_len, batch_size=run.warm_start_batch_size,
+      seed=run.seed)
+  return ChatData(config, tokenizer, conversations={
+      "train": convs[held:], "validation": convs[:held]})
+
+
+def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
+               tokenizer, run: RLRunConfig, workdir: str, *,
+               init: sft.Init | None = None, progress: bool = True) -> dict:
+  """The variables RL starts from: `init`'s (default: a fresh init) after
+  `run.warm_start_steps` SFT steps on demonstrations in workdir/warm_start
+  (resumed if a previous call got part of the way)."""
+  if init is None:
+    variables = model.init(model_config, jax.random.key(run.seed))
+    init = sft.Init(model_config, variables, tokenizer,
+                    {"init": "random", "seed": run.seed})
+  if not run.warm_start_steps:
+    return init.variables
+  directory = os.path.join(workdir, WARM_START_DIR)
+  steps = run.warm_start_steps
+  tcfg = train_config.replace(
+      steps=steps, learning_rate=run.warm_start_learning_rate,
+      warmup_steps=min(train_config.warmup_steps, steps // 10),
+      checkpoint_every=steps, eval_every=steps, log_every=max(1, steps // 10))
+  data = demonstration_data(env, tokenizer, run)
+  resume = os.path.isdir(os.path.join(directory, "checkpoints"))
+  summary = sft.finetune(model_config, tcfg, data, directory,
+                         init=None if resume else init, resume=resume,
+                         progress=progress)
+  return state_lib.variables_of(summary["state"])
+
+
+# -------------------------------------------------------------------- eval
+
+
+def evaluate(engine: Engine, env, tokenizer, run: RLRunConfig,
+             max_new_tokens: int) -> float:
+  """Mean greedy reward on `run.eval_tasks` fixed held-out tasks."""
+  rng = np.random.default_rng([run.seed, 4])
+  tasks = [env.sample(rng) for _ in range(run.eval_tasks)]
+  params = SamplingParams(temperature=0, max_tokens=max_new_tokens,
+                          stop=(chat.END_OF_TURN,))
+  results = engine.generate(
+      [rollout_lib.prompt_ids(t, tokenizer) for t in tasks], params)
+  return float(np.mean([
+      env.verify(t, rollout_lib.completion_text(r[0].tokens, tokenizer)
+                 ).reward for t, r in zip(tasks, results)]))
+
+
+# --------------------------------------------------------------------- run
+
+
+class _Run:
+  """The state of one run (see `run`)."""
+
+  def __init__(self, mcfg, tcfg, rl_config, run, rollout_config,
+               trainer_config, schedule_config, engine_config, workdir, *,
+               resume, init, progress, mesh):
+    self.mcfg, self.tcfg, self.rl_config, self.run = mcfg, tcfg, rl_config, run
+    self.rollout_config, self.workdir = rollout_config, workdir
+    self.schedule_config, self.progress = schedule_config, progress
+    self.configs = {"model": mcfg, "train": tcfg, "rl": rl_config,
+                    "run": run, "rollout": rollout_config,
+                    "trainer": trainer_config, "schedule": schedule_config}
+    tcfg.check_model(mcfg)
+    os.makedirs(workdir, exist_ok=True)
+    self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                      keep=run.keep_checkpoints)
+    pool_path = os.path.join(workdir, POOL_FILE)
+    if resume:
+      self.ckpt.check_resume()
+      meta = self.ckpt.newest_meta()
+      if meta is not None:
+        check_same(meta.get("configs", {}), self.configs)
+    elif self.ckpt.steps() or os.path.exists(pool_path):
+      raise UserError(f"{workdir} holds an RL run: continue it with "
+                      "--resume, or use a fresh --workdir")
+    ckpt_lib.write_json(os.path.join(workdir, CONFIG_FILE),
+                        {k: plain(v) for k, v in self.configs.items()})
+    self.tokenizer = init.tokenizer if init is not None else ByteTokenizer()
+    self.env = envs.make(run.env, **dict(run.env_fields))
+    variables = warm_start(mcfg, tcfg, self.env, self.tokenizer, run,
+                           workdir, init=init, progress=progress)
+    state = state_lib.create_state(mcfg, tcfg, variables)
+    self.step, self.version, self.next_seq = 0, 0, 0
+    if resume:
+      restored = self.ckpt.restore_latest(ckpt_lib.abstract(state),
+                                          train_config=tcfg)
+      if restored is not None:
+        self.step, state, data, meta = restored
+        self.version, self.next_seq = meta["version"], data["next_seq"]
+    self.pool = pool_lib.Pool(pool_path)
+    self.pool.rollback(self.step)
+    self.trainer = trainer_lib.Trainer(mcfg, tcfg, rl_config, trainer_config,
+                                       state, mesh=mesh)
+    self.engine = Engine(mcfg, self.trainer.snapshot(), engine_config,
+                         tokenizer=self.tokenizer, mesh=mesh)
+    # The verified groups no surviving step trained: first in the queue.
+    G = rollout_config.group_size
+    groups: dict[str, list] = {}
+    for t in self.pool.untrained():
+      groups.setdefault(t.group_id, []).append(t)
+    for gid, ts in groups.items():
+      if len(ts) != G:
+        raise UserError(f"the pool holds {len(ts)} untrained samples of "
+                        f"group {gid}, not group_size={G}")
+    self.present = {ts[0].queue_seq // G for ts in groups.values()}
+    self.sched = sched_lib.Scheduler.resume(schedule_config, [
+        _Group(gid, ts[0].queue_seq // G, min(t.policy_version for t in ts),
+               max(t.finished_at for t in ts))
+        for gid, ts in groups.items()])
+    self.writer = MetricsWriter(workdir,
+                                resume_step=self.step if resume else None)
+    self.lock = threading.Condition()
+
+  # -- pieces shared by both modes --
+
+  def _next_seq(self) -> int:
+    """The next task number to generate (skipping those whose groups the
+    pool holds from before a crash: they are verified already)."""
+    while self.next_seq in self.present:
+      self.next_seq += 1
+    seq, self.next_seq = self.next_seq, self.next_seq + 1
+    return seq
+
+  def _submit(self, rollout: rollout_lib.Rollout, version: int) -> None:
+    gid = rollout.submit(self._next_seq(), version)
+    self.sched.submit(gid, version)
+
+  def _checkpoint(self) -> None:
+    self.ckpt.save(self.step, self.trainer.state,
+                   {"next_seq": self.next_seq},
+                   {"version": self.version,
+                    "configs": {k: plain(v) for k, v in
+                                self.configs.items()}})
+
+  def _drop_stale(self, rollout: rollout_lib.Rollout, pool) -> None:
+    """Groups past max_lag: finished ones discarded in the pool, running
+    ones cancelled (discarded when they finish); out of the queue."""
+    stale = self.sched.stale(self.version)
+    if not stale:
+      return
+    running = set(self.sched.in_flight())
+    G = self.rollout_config.group_size
+    for gid in stale:
+      if gid in running:
+        rollout.cancel(gid)
+      else:
+        pool.discard(rollout_lib.trajectory_ids(gid, G),
+                     reason=f"stale: past max_lag at version {self.version}",
+                     train_step=self.step)
+    self.sched.drop(stale)
+
+  def _batch_of(self, groups: list[str]) -> tuple[list, list[str]]:
+    """The trajectories of `groups` without DAPO's zero-signal groups
+    (discarded in the pool, returned second)."""
+    G = self.rollout_config.group_size
+    trajs = self.pool.get([tid for gid in groups
+                           for tid in rollout_lib.trajectory_ids(gid, G)])
+    if not self.rl_config.dynamic_sampling:
+      return trajs, []
+    kept = objectives.dynamic_sampling(
+        np.asarray([t.reward for t in trajs]),
+        np.asarray([t.group_id for t in trajs]))
+    dropped = [t.trajectory_id for t, keep in zip(trajs, kept.keep)
+               if not keep]
+    if dropped:
+      self.pool.discard(dropped, reason="no signal: equal rewards (DAPO "
+                        "dynamic sampling)", train_step=self.step + 1)
+    return [t for t, keep in zip(trajs, kept.keep) if keep], list(
+        kept.dropped)
+
+  def _train(self, trajs, started: float, idle: float, tried: int) -> dict:
+    metrics = self.trainer.train(trajs)
+    self.pool.mark_trained([t.trajectory_id for t in trajs],
+                           train_step=self.step + 1,
+                           policy_version=self.version)
+    rewards = np.asarray([t.reward for t in trajs])
+    lags = [self.version - t.policy_version for t in trajs]
+    self.version += 1
+    self.step += 1
+    elapsed = time.time() - started
+    return {
+        "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+        "accuracy": np.mean([t.verification.get("correct", False)
+                             for t in trajs]),
+        "policy_lag": np.mean(lags), "policy_lag_max": max(lags),
+        "samples_per_sec": len(trajs) / max(elapsed, 1e-9),
+        "trainer_idle_fraction": idle / max(elapsed, 1e-9),
+        "clip_fraction": metrics.get("policy/clip_fraction", np.nan),
+        "entropy": metrics.get("policy/entropy", np.nan),
+        "loss": metrics["loss"],
+        "difficulty_mean": np.mean([t.difficulty for t in trajs]),
+        "samples": len(trajs), "groups_tried": tried,
+        "step_seconds": elapsed,
+        **{k: v for k, v in metrics.items()
+           if k.startswith(("train/", "policy/"))}}
+
+  def _log(self, metrics: dict) -> None:
+    if (self.run.eval_every and self.run.eval_tasks
+        and self.step % self.run.eval_every == 0
+        and self.run.mode == "sync"):
+      metrics["eval_reward"] = evaluate(
+          self.engine, self.env, self.tokenizer, self.run,
+          self.rollout_config.max_new_tokens)
+    self.writer.write(self.step, metrics)
+    if self.progress:
+      print(f"step {self.step}: reward {metrics['reward_mean']:.3f} "
+            f"lag {metrics['policy_lag']:.2f} "
+            f"samples/s {metrics['samples_per_sec']:.1f} "
+            f"idle {metrics['trainer_idle_fraction']:.2f}"
+            + (f" eval {metrics['eval_reward']:.3f}"
+               if "eval_reward" in metrics else ""), flush=True)
+    if (self.step % self.run.checkpoint_every == 0
+        or self.step == self.run.steps):
+      self._checkpoint()
+
+  def _limit(self, stop_after: int | None) -> int:
+    return min(self.run.steps, stop_after or self.run.steps)
+
+  # -- sync --
+
+  def sync(self, stop_after: int | None) -> None:
+    """Generate a batch, wait for its verification, train, sync."""
+    rollout = rollout_lib.Rollout(self.engine, self.env, self.tokenizer,
+                                  self.pool, self.rollout_config,
+                                  seed=self.run.seed)
+    n = self.run.groups_per_step
+    while self.step < self._limit(stop_after):
+      started, batch, kept, tried = time.time(), [], 0, 0
+      while kept < n and tried < n * self.run.dynamic_sampling_rounds:
+        ready = len(self.sched) - len(self.sched.in_flight())
+        for _ in range(n - kept - ready):
+          self._submit(rollout, self.version)
+        while rollout.in_flight:
+          for gid in rollout.poll():
+            self.sched.finish(gid)
+          wait = rollout.next_ready_in()
+          if wait and not self.engine.has_work():
+            time.sleep(wait)
+        self._drop_stale(rollout, self.pool)
+        groups = self._take_all(n - kept)
+        tried += len(groups)
+        trajs, dropped = self._batch_of(groups)
+        batch += trajs
+        kept += len(groups) - len(dropped)
+      if not batch:
+        raise UserError(f"step {self.step + 1}: all {tried} groups had "
+                        "equal rewards; DAPO's dynamic sampling left nothing "
+                        "to train on (raise dynamic_sampling_rounds)")
+      metrics = self._train(batch, started, idle=0.0, tried=tried)
+      self.engine.update_variables(self.trainer.snapshot())
+      self._log(metrics)
+
+  def _take_all(self, n: int) -> list[str]:
+    """Up to n groups, taking again while the policy allows more (the
+    window shrinks with the queue: ceil(W * N) of N finished groups)."""
+    groups = []
+    while len(groups) < n:
+      more = self.sched.take(n - len(groups), self.version)
+      if not more:
+        break
+      groups += more
+    return groups
+
+  # -- async --
+
+  def async_(self, stop_after: int | None) -> None:
+    """A rollout thread generates while this thread trains (module
+    docstring); weights cross over between engine steps."""
+    stop = threading.Event()
+    weights: list = []          # the newest (version, variables)
+    errors: list[BaseException] = []
+
+    def produce():
+      pool = pool_lib.Pool(os.path.join(self.workdir, POOL_FILE))
+      rollout = rollout_lib.Rollout(self.engine, self.env, self.tokenizer,
+                                    pool, self.rollout_config,
+                                    seed=self.run.seed)
+      version = self.version
+      try:
+        while not stop.is_set():
+          with self.lock:
+            if weights:
+              version, variables = weights.pop()
+              self.engine.update_variables(variables)
+            self._drop_stale(rollout, pool)
+            while (rollout.in_flight < self.run.in_flight
+                   and self.sched.can_submit()):
+              self._submit(rollout, version)
+          done = rollout.poll()
+          if done:
+            with self.lock:
+              for gid in done:
+                if gid in self.sched:
+                  self.sched.finish(gid)
+              self.lock.notify_all()
+          elif not self.engine.has_work():
+            time.sleep(min(rollout.next_ready_in() or 0.01, 0.01))
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+      finally:
+        pool.close()
+        with self.lock:
+          self.lock.notify_all()
+
+    thread = threading.Thread(target=produce, name="rollout", daemon=True)
+    thread.start()
+    n = self.run.groups_per_step
+    try:
+      while self.step < self._limit(stop_after):
+        started, idle, batch, kept, tried = time.time(), 0.0, [], 0, 0
+        while kept < n:
+          with self.lock:
+            groups = self._take_all(n - kept)
+            if not groups:
+              if errors or not thread.is_alive():
+                raise errors[0] if errors else RuntimeError(
+                    "the rollout thread stopped")
+              wait = time.time()
+              self.lock.wait(timeout=0.5)
+              idle += time.time() - wait
+              continue
+          tried += len(groups)
+          trajs, dropped = self._batch_of(groups)
+          batch += trajs
+          kept += len(groups) - len(dropped)
+          if tried >= n * self.run.dynamic_sampling_rounds and batch:
+            break
+        metrics = self._train(batch, started, idle, tried)
+        with self.lock:
+          weights[:] = [(self.version, self.trainer.snapshot())]
+        self._log(metrics)
+    finally:
+      stop.set()
+      thread.join()
+
+
+def run(model_config: ModelConfig, train_config: TrainConfig,
+        run_config: RLRunConfig, workdir: str, *,
+        rl_config: rl_step.RLConfig = rl_step.RLConfig(),
+        rollout_config: rollout_lib.RolloutConfig = (
+            rollout_lib.RolloutConfig()),
+        trainer_config: trainer_lib.TrainerConfig = (
+            trainer_lib.TrainerConfig()),
+        schedule_config: sched_lib.ScheduleConfig = (
+            sched_lib.ScheduleConfig()),
+        engine_config: EngineConfig = EngineConfig(),
+        resume: bool = False, init: sft.Init | None = None,
+        stop_after: int | None = None, progress: bool = True,
+        mesh=None) -> dict:
+  """Runs (or resumes) an RL run in `workdir` (module docstring); returns
+  {"step", "version", "metrics" (the last step's), "eval_reward" (greedy,
+  at the end), "pool" (counts)}. `stop_after` ends early at that step
+  (with a checkpoint), as if killed right after it."""
+  r = _Run(model_config, train_config, rl_config, run_config, rollout_config,
+           trainer_config, schedule_config, engine_config, workdir,
+           resume=resume, init=init, progress=progress, mesh=mesh)
+  try:
+    if run_config.mode == "sync":
+      r.sync(stop_after)
+    else:
+      r.async_(stop_after)
+    if stop_after is not None and r.step % run_config.checkpoint_every:
+      r._checkpoint()  # pylint: disable=protected-access
+    summary = {"step": r.step, "version": r.version,
+               "pool": r.pool.counts()}
+    if run_config.eval_tasks:
+      summary["eval_reward"] = evaluate(
+          r.engine, r.env, r.tokenizer, run_config,
+          rollout_config.max_new_tokens)
+    return summary
+  finally:
+    r.writer.close()
+    r.pool.close()
+    r.ckpt.close()

@@ -1,0 +1,182 @@
+"""Forge's train engine: trajectories from the pool -> prefix-tree-merged
+rows -> the merged RL step -> new weights for the rollout engine (SPEC §3).
+
+Samples. Every step of a trajectory is one sample, its state followed by its
+action; only the action's tokens are trained, with the behaviour log-probs
+the rollout recorded. Successive steps of one trajectory share their history
+(step t's state extends step t-1's), and the samples of a GRPO group share
+their prompt: `prefix_tree.pack` stores each shared prefix once.
+
+Advantages are group-relative over the trajectories' final rewards
+(objectives.group_advantages), the same for every trained token of a
+trajectory. (DAPO's dynamic sampling, which drops groups whose rewards are
+all equal, happens before: the loop refills the batch.)
+
+KL to a reference policy (RLConfig.kl_coef > 0): the reference is the
+policy the trainer started from (the warm start), kept frozen; its
+log-probs are computed on the same merged rows before each step.
+
+Shapes. The step compiles once per shape; a batch is padded to buckets:
+rows to a power-of-two number of micro-batches of `rows_per_micro_batch`
+rows, sample slots and sample length to powers of two. A new bucket compiles
+once and is reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m2jax import model, sharding
+from m2jax.config import ModelConfig
+from m2jax.errors import UserError
+from m2jax.rl import objectives
+from m2jax.rl import prefix_tree
+from m2jax.rl import step as rl_step
+from m2jax.train import state as state_lib
+from m2jax.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """How a batch becomes rows.
+
+  row_len: tokens per packed row (a sample must fit one).
+  rows_per_micro_batch: rows per forward/backward (memory of one).
+  merge: prefix-tree merging (False: every sample its own chain, the
+    unmerged baseline the benchmark compares against).
+  """
+  row_len: int = 512
+  rows_per_micro_batch: int = 4
+  merge: bool = True
+
+  def __post_init__(self):
+    if self.row_len < 2:
+      raise UserError(f"TrainerConfig.row_len: must be >= 2 (got "
+                      f"{self.row_len!r})")
+    if self.rows_per_micro_batch < 1:
+      raise UserError(f"TrainerConfig.rows_per_micro_batch: must be >= 1 "
+                      f"(got {self.rows_per_micro_batch!r})")
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def samples_of(trajectories):
+  """(sequences, loss masks, old log-probs, group ids, trajectory index)
+  with one entry per step of every trajectory (module docstring)."""
+  seqs, masks, old, groups, owner = [], [], [], [], []
+  for i, traj in enumerate(trajectories):
+    for step in traj.steps:
+      state, action = np.asarray(step.state), np.asarray(step.action)
+      seqs.append(np.concatenate([state, action]).astype(np.int32))
+      masks.append(np.r_[np.zeros(len(state), bool), np.ones(len(action),
+                                                              bool)])
+      old.append(np.r_[np.zeros(len(state), np.float32),
+                       np.asarray(step.logprobs, np.float32)])
+      groups.append(traj.group_id)
+      owner.append(i)
+  return seqs, masks, old, groups, np.asarray(owner, np.int64)
+
+
+def build_batches(trajectories, rl_config: rl_step.RLConfig,
+                  config: TrainerConfig) -> tuple[rl_step.RLBatch, dict]:
+  """Stacked micro-batches [M, ...] of the merged rows of `trajectories`,
+  and statistics of the packing (tokens computed and trained)."""
+  if not trajectories:
+    raise UserError("build_batches: no trajectories")
+  rewards = np.asarray([t.reward for t in trajectories], np.float32)
+  group_of = np.asarray([t.group_id for t in trajectories])
+  adv_traj = objectives.group_advantages(rewards, group_of,
+                                         std=rl_config.advantage_std)
+  seqs, masks, old, groups, owner = samples_of(trajectories)
+  too_long = [len(s) for s in seqs if len(s) > config.row_len]
+  if too_long:
+    raise UserError(f"a sample of {max(too_long)} tokens does not fit "
+                    f"TrainerConfig.row_len={config.row_len}")
+  advantages = [np.where(m, adv_traj[o], 0).astype(np.float32)
+                for m, o in zip(masks, owner)]
+  k = config.rows_per_micro_batch
+  pack = functools.partial(
+      prefix_tree.pack, seqs, row_len=config.row_len, loss_masks=masks,
+      payloads={"old_logprobs": old, "advantages": advantages},
+      merge=config.merge, max_len=_pow2(max(map(len, seqs))))
+  trees = pack()
+  rows = _pow2(-(-trees.tokens.shape[0] // k)) * k
+  if rows != trees.tokens.shape[0]:
+    trees = pack(num_rows=rows)
+  sample_groups = np.unique(np.asarray(groups), return_inverse=True)[1]
+  batches = rl_step.make_batches(trees, sample_groups, rl_config,
+                                 rows_per_batch=k)
+  # Sample slots to a power of two: one more shape family at most.
+  slots = _pow2(max(int((b.sample_index[:, 0] >= 0).sum()) for b in batches))
+  batches = rl_step.make_batches(trees, sample_groups, rl_config,
+                                 rows_per_batch=k, samples_per_batch=slots)
+  stats = {"tokens_computed": trees.num_tokens,
+           "tokens_in_samples": int(sum(map(len, seqs))),
+           "tokens_trained": int(sum(m.sum() for m in masks)),
+           "samples": len(seqs)}
+  return rl_step.stack_batches(batches), stats
+
+
+class Trainer:
+  """The policy's train state and its compiled merged RL step.
+
+    trainer = Trainer(mcfg, tcfg, RLConfig(), TrainerConfig(), state)
+    metrics = trainer.train(trajectories)   # one policy update
+    engine.update_variables(trainer.snapshot())
+  """
+
+  def __init__(self, model_config: ModelConfig, train_config: TrainConfig,
+               rl_config: rl_step.RLConfig, config: TrainerConfig,
+               state: state_lib.TrainState, *, mesh=None):
+    self.model_config, self.train_config = model_config, train_config
+    self.rl_config, self.config, self.mesh = rl_config, config, mesh
+    step = functools.partial(rl_step.train_step, model_config=model_config,
+                             train_config=train_config, config=rl_config)
+    def with_reference(variables, batches):
+      logprobs = jax.lax.map(lambda b: rl_step.reference_logprobs(
+          variables["params"], variables.get(model.EXPERT_BIAS, {}), b,
+          model_config=model_config), batches)
+      return batches._replace(ref_logprobs=logprobs)
+
+    if mesh is None:
+      self._step = jax.jit(step, donate_argnums=0)
+      self._reference = jax.jit(with_reference)
+      self.state = state
+    else:
+      shardings = state_lib.state_shardings(model_config, train_config, mesh)
+      rep = sharding.replicated(mesh)
+      self._step = sharding.on_mesh(jax.jit(
+          step, in_shardings=(shardings, rep), out_shardings=(shardings, rep),
+          donate_argnums=0), mesh)
+      self._reference = sharding.on_mesh(jax.jit(with_reference), mesh)
+      self.state = jax.device_put(state, shardings)
+    # The frozen reference policy (a copy: the state's buffers are donated).
+    self.reference = self.snapshot() if rl_config.kl_coef else None
+
+  def snapshot(self) -> dict:
+    """A copy of the policy's variables (the state's own buffers are
+    donated to the next step): what the rollout engine is given."""
+    return jax.tree.map(jnp.copy, state_lib.variables_of(self.state))
+
+  def train(self, trajectories) -> dict:
+    """One update on `trajectories`; returns float metrics (the step's, and
+    the packing's: tokens computed / in samples, seconds)."""
+    start = time.perf_counter()
+    batches, stats = build_batches(trajectories, self.rl_config, self.config)
+    if self.reference is not None:
+      batches = self._reference(self.reference, batches)
+    self.state, metrics = self._step(self.state, batches)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics.update({f"train/{k}": float(v) for k, v in stats.items()})
+    metrics["train/merge_ratio"] = (stats["tokens_in_samples"]
+                                    / max(stats["tokens_computed"], 1))
+    metrics["train/seconds"] = time.perf_counter() - start
+    return metrics
