@@ -11,6 +11,8 @@ kernels and the model never import it.
   exchange.py             one expert-parallel exchange on n GPUs, timed
   rl_samples.py           synthetic GRPO groups and agent trajectories with
                           their rollout payloads (the merged RL step's input)
+  schedule_sim.py         Forge's scheduler on a virtual clock: rollout
+                          slots, heavy-tailed latencies, a trainer
   tokamax_ops.py          tokamax's kernels with tile configs and q_end
                           masks: the one module using private upstream names
 FLOPs are counted in m2jax/params.py. Notes and results of past runs live in

@@ -23,6 +23,7 @@ import numpy as np
 from benchmarks import schedule_sim
 from benchmarks import timing
 from experiments import cli
+from m2jax.rl import envs
 from m2jax.rl import scheduler
 
 
@@ -84,6 +85,10 @@ _MAX_QUEUED = flags.DEFINE_integer(
     "trained); 0: no limit")
 
 
+_ENV = flags.DEFINE_string(
+    "env", "", "take the task mix and latencies from this environment's "
+    "level mix and latency model (m2jax.rl.envs, its default config, e.g. "
+    "arithmetic); empty: --mix, --latency_median and --latency_sigma")
 _MIX = flags.DEFINE_string("mix", "1:0.4,2:0.3,3:0.2,4:0.1",
                            "task mix, DIFFICULTY:PROBABILITY,...")
 _MEDIAN = flags.DEFINE_string(
@@ -145,7 +150,15 @@ def main(argv):
       max_lag=None if _MAX_LAG.value < 0 else _MAX_LAG.value,
       max_queued=_MAX_QUEUED.value or None) for policy in _POLICIES.value}
   results = timing.run_header()
-  mix = _level_map(_MIX.value)
+  if _ENV.value:
+    env = envs.make(_ENV.value)
+    mix = env.level_mix()
+    # A task of that difficulty drawn by the env, then its latency.
+    latency_fn = lambda d, rng: env.latency(env.sample(rng, d), rng)  # pylint: disable=unnecessary-lambda-assignment
+  else:
+    mix = _level_map(_MIX.value)
+    latency_fn = schedule_sim.lognormal_latency(_level_map(_MEDIAN.value),
+                                                _SIGMA.value)
   results["drift_tv_iid"] = schedule_sim.iid_drift(mix, _BATCH.value)
   results["task_difficulty_mean"] = sum(d * p for d, p in mix.items())
   print(f"{len(_SEEDS.value)} seeds, mean (std) over seeds. Drift of B iid "
@@ -154,8 +167,7 @@ def main(argv):
   results["runs"], results["summary"] = [], {}
   for step_time in _STEP_TIMES.value:
     workload = schedule_sim.Workload(
-        mix=mix, latency_fn=schedule_sim.lognormal_latency(
-            _level_map(_MEDIAN.value), _SIGMA.value),
+        mix=mix, latency_fn=latency_fn,
         slots=_SLOTS.value, batch_size=_BATCH.value,
         step_time=float(step_time), steps=_STEPS.value,
         warmup_steps=_WARMUP.value)

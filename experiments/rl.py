@@ -81,10 +81,16 @@ flags.DEFINE_integer("page_size", 16, "Engine: tokens per KV page.")
 # Training.
 flags.DEFINE_float("learning_rate", 1e-3, "RL learning rate.")
 flags.DEFINE_integer("warmup_steps", 5, "RL learning-rate warmup.")
+flags.DEFINE_float("decay_fraction", 0.0, "Last share of the RL steps over "
+                   "which the learning rate decays (to --min_lr_ratio).")
+flags.DEFINE_float("min_lr_ratio", 0.1, "Learning rate at the end of the "
+                   "decay, as a share of --learning_rate.")
 flags.DEFINE_float("grad_clip", 1.0, "Global-norm gradient clipping.")
 flags.DEFINE_integer("row_len", 512, "Tokens per merged row.")
 flags.DEFINE_integer("rows_per_micro_batch", 4, "Rows per micro-batch.")
 flags.DEFINE_bool("merge", True, "Prefix-tree merging of the batch.")
+flags.DEFINE_integer("minibatches", 1, "Optimizer updates per batch (its "
+                     "groups split in order).")
 flags.DEFINE_integer("warm_start_steps", 200, "SFT steps on demonstrations "
                      "before RL (0: none).")
 flags.DEFINE_float("warm_start_learning_rate", 3e-3, "SFT learning rate.")
@@ -111,12 +117,14 @@ ROLLOUT_FLAGS = {"group_size": "group_size", "temperature": "temperature",
                  "latency_scale": "latency_scale"}
 SCHEDULE_FLAGS = {"schedule": "policy", "window": "window",
                   "max_lag": "max_lag"}
-TRAINER_FLAGS = {"row_len": "row_len",
+TRAINER_FLAGS = {"row_len": "row_len", "minibatches": "minibatches",
                  "rows_per_micro_batch": "rows_per_micro_batch",
                  "merge": "merge"}
 RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef"}
 TRAIN_FLAGS = {"learning_rate": "learning_rate",
                "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
+               "decay_fraction": "decay_fraction",
+               "min_lr_ratio": "min_lr_ratio",
                "seed": "seed"}
 
 
@@ -147,8 +155,9 @@ def _env_fields() -> tuple:
 def _fresh_configs(mcfg: ModelConfig):
   steps = FLAGS.steps
   train = TrainConfig(
-      steps=steps, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
-      warmup_steps=FLAGS.warmup_steps, decay_fraction=0.0, min_lr_ratio=1.0,
+      steps=steps * FLAGS.minibatches, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
+      warmup_steps=FLAGS.warmup_steps, decay_fraction=FLAGS.decay_fraction,
+      min_lr_ratio=FLAGS.min_lr_ratio,
       weight_decay=0.0, grad_clip=FLAGS.grad_clip,
       mtp_depth=mcfg.num_mtp_modules, mtp_weight=rl_step.MTP_WEIGHT,
       mtp_weight_final=rl_step.MTP_WEIGHT,
@@ -168,7 +177,7 @@ def _fresh_configs(mcfg: ModelConfig):
       max_new_tokens=FLAGS.max_new_tokens, latency_scale=FLAGS.latency_scale)
   trainer = trainer_lib.TrainerConfig(
       row_len=FLAGS.row_len, rows_per_micro_batch=FLAGS.rows_per_micro_batch,
-      merge=FLAGS.merge)
+      merge=FLAGS.merge, minibatches=FLAGS.minibatches)
   schedule = sched_lib.ScheduleConfig(
       policy=FLAGS.schedule, window=FLAGS.window, max_lag=FLAGS.max_lag)
   return dict(model=mcfg, train=train, rl=rl, run=run, rollout=rollout,
@@ -204,7 +213,8 @@ def _resumed_configs(workdir: str):
                         f"{getattr(out['rl'], field)!r} but --{flag} gives "
                         f"{FLAGS[flag].value!r}; leave the flag out to keep "
                         "the run's value, or train in a fresh --workdir")
-  out["train"] = out["train"].replace(steps=run.steps)
+  out["train"] = out["train"].replace(
+      steps=run.steps * out["trainer"].minibatches)
   return out
 
 

@@ -176,6 +176,21 @@ COMMANDS = {
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
     "prefix_model|prefix_agent128": Skip(
         GPU + "runs the benchmarks on a device machine"),
+    "make rl-demo": Skip("eight minutes of RL on 2 cores: tests/test_rl_loop.py "
+                         "runs the loop at tiny shapes"),
+    "python -m experiments.rl --preset=tiny --env=sorting --algo=dapo "
+    "--mode=async --schedule=windowed --latency_scale=0.01 --steps=200 "
+    "--workdir=runs/rl": Skip("tests/test_rl_loop.py runs async mode and the "
+                              "command line at tiny shapes"),
+    "python -m experiments.rl --workdir=runs/rl --resume": Skip(
+        "tests/test_rl_loop.py resumes runs and checks them bit for bit"),
+    "python -m experiments.bench_schedule --env=arithmetic "
+    "--out=benchmarks/results/schedule_arithmetic.json": Skip(
+        "a benchmark (15 s of simulation); tests/test_rl_scheduler.py runs "
+        "the simulator"),
+    "python -m experiments.bench_rl --preset=m2_small "
+    "--out=benchmarks/results/rl_h100.json": Skip(
+        GPU + "runs the benchmarks on a device machine"),
     "python -m experiments.serve --workdir=runs/demo": Skip(
         "a server that runs until stopped: tests/test_serve.py drives one"),
     "curl -s http://127.0.0.1:8000/v1/chat/completions -H \"Content-Type: "

@@ -1,6 +1,18 @@
-"""Forge, the agent-native RL side (SPEC §3): the policy objectives and
-prefix-tree merging.
+"""Forge, the agent-native RL side (SPEC §3): the loop, its parts, the
+policy objectives and prefix-tree merging.
 
+  loop.py         the RL run: warm start, sync or async rollouts and
+                  training, weight sync, checkpoints, exact resume
+                  (python -m experiments.rl)
+  rollout.py      the engine's GRPO groups, simulated environment latency,
+                  verification, one pool transaction per group
+  pool.py         the data pool: trajectories in SQLite (WAL), what trained
+                  on which version, rollback on resume
+  scheduler.py    which finished rollouts the trainer takes: windowed FIFO,
+                  strict FIFO, greedy; the policy-lag cap and its bound
+  trainer.py      trajectories -> prefix-tree-merged rows -> the RL step
+  envs/           environments with verifiers, demonstrations and latency
+                  models: arithmetic, sorting
   cispo.py        the CISPO policy loss (the default objective)
   objectives.py   token weights (per group, per sequence, per batch),
                   group-relative advantages, the PPO-clip baselines GRPO

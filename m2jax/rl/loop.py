@@ -55,6 +55,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from m2jax import model
@@ -101,7 +102,8 @@ class RLRunConfig:
     that phase's optimizer and rows; demonstrations: how many are drawn.
   eval_tasks, eval_every: greedy reward on fixed held-out tasks every
     `eval_every` steps (0: never), logged as eval_reward.
-  checkpoint_every, keep_checkpoints: the policy's checkpoints.
+  checkpoint_every, keep_checkpoints: the policy's checkpoints
+    (checkpoint_every=0: none, for benchmarks; such a run cannot resume).
   seed: tasks, sampling and the model's init.
   """
   env: str = "arithmetic"
@@ -129,10 +131,11 @@ class RLRunConfig:
     if self.mode not in MODES:
       fail("mode", f"must be one of {MODES}")
     for field in ("steps", "groups_per_step", "dynamic_sampling_rounds",
-                  "checkpoint_every", "keep_checkpoints"):
+                  "keep_checkpoints"):
       if getattr(self, field) < 1:
         fail(field, "must be >= 1")
-    for field in ("warm_start_steps", "eval_tasks", "eval_every"):
+    for field in ("warm_start_steps", "eval_tasks", "eval_every",
+                  "checkpoint_every"):
       if getattr(self, field) < 0:
         fail(field, "must be >= 0")
     if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -224,8 +227,8 @@ def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
     variables = model.init(model_config, jax.random.key(run.seed))
     init = sft.Init(model_config, variables, tokenizer,
                     {"init": "random", "seed": run.seed})
-  if not run.warm_start_steps:
-    return init.variables
+  if not run.warm_start_steps:  # a copy: the first step donates its state
+    return jax.tree.map(jnp.copy, init.variables)
   directory = os.path.join(workdir, WARM_START_DIR)
   steps = run.warm_start_steps
   tcfg = train_config.replace(
@@ -322,6 +325,7 @@ class _Run:
     self.writer = MetricsWriter(workdir,
                                 resume_step=self.step if resume else None)
     self.lock = threading.Condition()
+    self._tried: list[float] = []   # rewards of the groups a step read
 
   # -- pieces shared by both modes --
 
@@ -367,6 +371,7 @@ class _Run:
     G = self.rollout_config.group_size
     trajs = self.pool.get([tid for gid in groups
                            for tid in rollout_lib.trajectory_ids(gid, G)])
+    self._tried += [t.reward for t in trajs]
     if not self.rl_config.dynamic_sampling:
       return trajs, []
     kept = objectives.dynamic_sampling(
@@ -406,6 +411,19 @@ class _Run:
         **{k: v for k, v in metrics.items()
            if k.startswith(("train/", "policy/"))}}
 
+  def _skip(self, started: float, tried: int) -> dict:
+    """A step whose groups all lacked signal (DAPO's dynamic sampling
+    discarded every one, `dynamic_sampling_rounds` batches' worth): no
+    update, the weights and version stay; logged with the rewards seen."""
+    self.step += 1
+    rewards = np.asarray(self._tried)
+    return {"reward_mean": rewards.mean(), "reward_std": rewards.std(),
+            "samples": 0, "groups_tried": tried, "skipped": 1,
+            "policy_lag": 0.0, "policy_lag_max": 0,
+            "samples_per_sec": 0.0, "trainer_idle_fraction": 0.0,
+            "clip_fraction": np.nan, "entropy": np.nan, "loss": np.nan,
+            "step_seconds": time.time() - started}
+
   def _log(self, metrics: dict) -> None:
     if (self.run.eval_every and self.run.eval_tasks
         and self.step % self.run.eval_every == 0
@@ -421,8 +439,8 @@ class _Run:
             f"idle {metrics['trainer_idle_fraction']:.2f}"
             + (f" eval {metrics['eval_reward']:.3f}"
                if "eval_reward" in metrics else ""), flush=True)
-    if (self.step % self.run.checkpoint_every == 0
-        or self.step == self.run.steps):
+    every = self.run.checkpoint_every
+    if every and (self.step % every == 0 or self.step == self.run.steps):
       self._checkpoint()
 
   def _limit(self, stop_after: int | None) -> int:
@@ -438,6 +456,7 @@ class _Run:
     n = self.run.groups_per_step
     while self.step < self._limit(stop_after):
       started, batch, kept, tried = time.time(), [], 0, 0
+      self._tried = []
       while kept < n and tried < n * self.run.dynamic_sampling_rounds:
         ready = len(self.sched) - len(self.sched.in_flight())
         for _ in range(n - kept - ready):
@@ -454,12 +473,11 @@ class _Run:
         trajs, dropped = self._batch_of(groups)
         batch += trajs
         kept += len(groups) - len(dropped)
-      if not batch:
-        raise UserError(f"step {self.step + 1}: all {tried} groups had "
-                        "equal rewards; DAPO's dynamic sampling left nothing "
-                        "to train on (raise dynamic_sampling_rounds)")
-      metrics = self._train(batch, started, idle=0.0, tried=tried)
-      self.engine.update_variables(self.trainer.snapshot())
+      if batch:
+        metrics = self._train(batch, started, idle=0.0, tried=tried)
+        self.engine.update_variables(self.trainer.snapshot())
+      else:
+        metrics = self._skip(started, tried)
       self._log(metrics)
 
   def _take_all(self, n: int) -> list[str]:
@@ -520,7 +538,8 @@ class _Run:
     try:
       while self.step < self._limit(stop_after):
         started, idle, batch, kept, tried = time.time(), 0.0, [], 0, 0
-        while kept < n:
+        self._tried = []
+        while kept < n and tried < n * self.run.dynamic_sampling_rounds:
           with self.lock:
             groups = self._take_all(n - kept)
             if not groups:
@@ -535,11 +554,12 @@ class _Run:
           trajs, dropped = self._batch_of(groups)
           batch += trajs
           kept += len(groups) - len(dropped)
-          if tried >= n * self.run.dynamic_sampling_rounds and batch:
-            break
-        metrics = self._train(batch, started, idle, tried)
-        with self.lock:
-          weights[:] = [(self.version, self.trainer.snapshot())]
+        if batch:
+          metrics = self._train(batch, started, idle, tried)
+          with self.lock:
+            weights[:] = [(self.version, self.trainer.snapshot())]
+        else:
+          metrics = self._skip(started, tried)
         self._log(metrics)
     finally:
       stop.set()
@@ -571,7 +591,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
       r.sync(stop_after)
     else:
       r.async_(stop_after)
-    if stop_after is not None and r.step % run_config.checkpoint_every:
+    every = run_config.checkpoint_every
+    if stop_after is not None and every and r.step % every:
       r._checkpoint()  # pylint: disable=protected-access
     summary = {"step": r.step, "version": r.version,
                "pool": r.pool.counts()}

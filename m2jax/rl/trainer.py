@@ -50,10 +50,15 @@ class TrainerConfig:
   rows_per_micro_batch: rows per forward/backward (memory of one).
   merge: prefix-tree merging (False: every sample its own chain, the
     unmerged baseline the benchmark compares against).
+  minibatches: optimizer updates per batch: its groups split into this many
+    mini-batches, one update each, in order (the later ones off-policy:
+    the clipped importance ratio corrects them). The weights are synced to
+    the rollout engine once per batch.
   """
   row_len: int = 512
   rows_per_micro_batch: int = 4
   merge: bool = True
+  minibatches: int = 1
 
   def __post_init__(self):
     if self.row_len < 2:
@@ -62,6 +67,9 @@ class TrainerConfig:
     if self.rows_per_micro_batch < 1:
       raise UserError(f"TrainerConfig.rows_per_micro_batch: must be >= 1 "
                       f"(got {self.rows_per_micro_batch!r})")
+    if self.minibatches < 1:
+      raise UserError(f"TrainerConfig.minibatches: must be >= 1 (got "
+                      f"{self.minibatches!r})")
 
 
 def _pow2(n: int) -> int:
@@ -86,9 +94,13 @@ def samples_of(trajectories):
 
 
 def build_batches(trajectories, rl_config: rl_step.RLConfig,
-                  config: TrainerConfig) -> tuple[rl_step.RLBatch, dict]:
+                  config: TrainerConfig, *, floor=(1, 1, 1)
+                  ) -> tuple[rl_step.RLBatch, dict]:
   """Stacked micro-batches [M, ...] of the merged rows of `trajectories`,
-  and statistics of the packing (tokens computed and trained)."""
+  and statistics of the packing (tokens computed and trained, and the
+  bucketed shape (M, sample slots, sample length) it used, at least
+  `floor`: a trainer passes the largest shape so far, so its step compiles
+  a few times per run, not once per new small shape)."""
   if not trajectories:
     raise UserError("build_batches: no trajectories")
   rewards = np.asarray([t.reward for t in trajectories], np.float32)
@@ -106,23 +118,48 @@ def build_batches(trajectories, rl_config: rl_step.RLConfig,
   pack = functools.partial(
       prefix_tree.pack, seqs, row_len=config.row_len, loss_masks=masks,
       payloads={"old_logprobs": old, "advantages": advantages},
-      merge=config.merge, max_len=_pow2(max(map(len, seqs))))
+      merge=config.merge, max_len=max(_pow2(max(map(len, seqs))), floor[2]))
   trees = pack()
-  rows = _pow2(-(-trees.tokens.shape[0] // k)) * k
+  rows = max(_pow2(-(-trees.tokens.shape[0] // k)), floor[0]) * k
   if rows != trees.tokens.shape[0]:
     trees = pack(num_rows=rows)
   sample_groups = np.unique(np.asarray(groups), return_inverse=True)[1]
   batches = rl_step.make_batches(trees, sample_groups, rl_config,
                                  rows_per_batch=k)
   # Sample slots to a power of two: one more shape family at most.
-  slots = _pow2(max(int((b.sample_index[:, 0] >= 0).sum()) for b in batches))
+  slots = max(_pow2(max(int((b.sample_index[:, 0] >= 0).sum())
+                        for b in batches)), floor[1])
   batches = rl_step.make_batches(trees, sample_groups, rl_config,
                                  rows_per_batch=k, samples_per_batch=slots)
   stats = {"tokens_computed": trees.num_tokens,
+           "attention_entries": trees.attention_entries(),
            "tokens_in_samples": int(sum(map(len, seqs))),
            "tokens_trained": int(sum(m.sum() for m in masks)),
-           "samples": len(seqs)}
+           "samples": len(seqs),
+           "shape": (rows // k, slots, trees.sample_index.shape[1])}
   return rl_step.stack_batches(batches), stats
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(model_config: ModelConfig, train_config: TrainConfig,
+            rl_config: rl_step.RLConfig):
+  """(step, reference pass) jitted once per configs in a process: runs of
+  one program (a sweep over seeds) share their compilations."""
+  step = functools.partial(rl_step.train_step, model_config=model_config,
+                           train_config=train_config, config=rl_config)
+
+  def with_reference(variables, batches):
+    logprobs = jax.lax.map(lambda b: rl_step.reference_logprobs(
+        variables["params"], variables.get(model.EXPERT_BIAS, {}), b,
+        model_config=model_config), batches)
+    return batches._replace(ref_logprobs=logprobs)
+
+  return step, with_reference
+
+
+@functools.lru_cache(maxsize=8)
+def _single_device(step, with_reference):
+  return jax.jit(step, donate_argnums=0), jax.jit(with_reference)
 
 
 class Trainer:
@@ -138,17 +175,12 @@ class Trainer:
                state: state_lib.TrainState, *, mesh=None):
     self.model_config, self.train_config = model_config, train_config
     self.rl_config, self.config, self.mesh = rl_config, config, mesh
-    step = functools.partial(rl_step.train_step, model_config=model_config,
-                             train_config=train_config, config=rl_config)
-    def with_reference(variables, batches):
-      logprobs = jax.lax.map(lambda b: rl_step.reference_logprobs(
-          variables["params"], variables.get(model.EXPERT_BIAS, {}), b,
-          model_config=model_config), batches)
-      return batches._replace(ref_logprobs=logprobs)
-
+    self._floor = (1, 1, 1)
+    # The seed only matters for init: runs that differ by it share a step.
+    step, with_reference = _jitted(model_config,
+                                   train_config.replace(seed=0), rl_config)
     if mesh is None:
-      self._step = jax.jit(step, donate_argnums=0)
-      self._reference = jax.jit(with_reference)
+      self._step, self._reference = _single_device(step, with_reference)
       self.state = state
     else:
       shardings = state_lib.state_shardings(model_config, train_config, mesh)
@@ -167,16 +199,33 @@ class Trainer:
     return jax.tree.map(jnp.copy, state_lib.variables_of(self.state))
 
   def train(self, trajectories) -> dict:
-    """One update on `trajectories`; returns float metrics (the step's, and
-    the packing's: tokens computed / in samples, seconds)."""
+    """One update per mini-batch of `trajectories` (whole groups each, in
+    order); returns float metrics: the step's, averaged over mini-batches,
+    and the packing's, summed (tokens computed / in samples, seconds)."""
     start = time.perf_counter()
-    batches, stats = build_batches(trajectories, self.rl_config, self.config)
-    if self.reference is not None:
-      batches = self._reference(self.reference, batches)
-    self.state, metrics = self._step(self.state, batches)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    metrics.update({f"train/{k}": float(v) for k, v in stats.items()})
-    metrics["train/merge_ratio"] = (stats["tokens_in_samples"]
-                                    / max(stats["tokens_computed"], 1))
-    metrics["train/seconds"] = time.perf_counter() - start
-    return metrics
+    groups: dict[str, list] = {}
+    for t in trajectories:
+      groups.setdefault(t.group_id, []).append(t)
+    parts = [list(p) for p in np.array_split(
+        np.arange(len(groups)), min(self.config.minibatches, len(groups)))]
+    ordered = list(groups.values())
+    totals, stats_sum = {}, {}
+    for part in parts:
+      chunk = [t for i in part for t in ordered[i]]
+      batches, stats = build_batches(chunk, self.rl_config, self.config,
+                                     floor=self._floor)
+      shape = stats.pop("shape")
+      self._floor = tuple(map(max, self._floor, shape))
+      if self.reference is not None:
+        batches = self._reference(self.reference, batches)
+      self.state, metrics = self._step(self.state, batches)
+      for k, v in jax.device_get(metrics).items():
+        totals[k] = totals.get(k, 0.0) + float(v) / len(parts)
+      for k, v in stats.items():
+        stats_sum[k] = stats_sum.get(k, 0) + v
+    totals.update({f"train/{k}": float(v) for k, v in stats_sum.items()
+                   if k != "attention_entries"})
+    totals["train/merge_ratio"] = (stats_sum["tokens_in_samples"]
+                                   / max(stats_sum["tokens_computed"], 1))
+    totals["train/seconds"] = time.perf_counter() - start
+    return totals
