@@ -1,0 +1,43 @@
+"""The Forge RL loop on a mesh of 2 fake CPU devices equals one device.
+
+  python tests/rl_mesh_check.py     # about a minute on 2 cores
+
+Runs the tiny sync run of tests/test_rl_loop.py for 2 steps on one device,
+then with mesh data=2 and expert=2 (the trainer's state and the engine's
+weights and KV pages sharded as pretraining and serving shard them), and
+checks that every run generates the same batches and ends with the same
+parameters (to float32 reduction-order noise). Not collected by pytest: the
+suite is at its time budget; run it by hand after changing the loop or the
+sharding rules.
+"""
+
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # pylint: disable=wrong-import-position
+
+from m2jax import sharding  # pylint: disable=wrong-import-position
+import test_rl_loop as t  # pylint: disable=wrong-import-position
+
+
+def main() -> None:
+  workdir = tempfile.mkdtemp()
+  one = os.path.join(workdir, "one")
+  t._run(one, t._run_config(steps=2))
+  for spec in ("data=2", "expert=2"):
+    here = os.path.join(workdir, spec)
+    t._run(here, t._run_config(steps=2), mesh=sharding.make_mesh(spec))
+    assert t._batches(one, [1, 2]) == t._batches(here, [1, 2]), spec
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(t._params(one)[2], t._params(here)[2]))
+    assert err < 1e-4, (spec, err)
+    print(f"{spec}: same batches, max |parameter difference| {err:.2e}")
+
+
+if __name__ == "__main__":
+  main()
