@@ -44,7 +44,6 @@ from m2jax.rl import step as rl_step
 from m2jax.rl import trainer as trainer_lib
 from m2jax.train import sft
 from m2jax.train import state as state_lib
-from m2jax.train.config import TrainConfig
 
 _OUT = flags.DEFINE_string("out", "benchmarks/results/rl.json",
                            "JSON results")
@@ -70,11 +69,8 @@ _MERGE_REPS = flags.DEFINE_integer("merge_reps", 5, "Timed steps (merge).")
 
 def _configs():
   mcfg = get_preset(_PRESET.value)
-  train = TrainConfig(
-      steps=_STEPS.value, learning_rate=_LR.value, warmup_steps=5,
-      decay_fraction=0.0, min_lr_ratio=1.0, weight_decay=0.0,
-      mtp_depth=mcfg.num_mtp_modules, mtp_weight=rl_step.MTP_WEIGHT,
-      mtp_weight_final=rl_step.MTP_WEIGHT, checkpoint_every=_STEPS.value)
+  train = loop.train_config(mcfg, steps=_STEPS.value,
+                            learning_rate=_LR.value)
   env_fields = (("levels", tuple(int(x) for x in _LEVELS.value)),)
   if _ENV.value == "arithmetic":
     env_fields += (("ops", tuple(_OPS.value)),)
@@ -195,11 +191,10 @@ def merge(results: dict) -> None:
     trainer.train(batches[0])  # compile
     seconds, tokens, entries = [], [], []
     for batch in batches:
-      _, stats = trainer_lib.build_batches(batch, rl_config, config)
       metrics = trainer.train(batch)
       seconds.append(metrics["train/seconds"])
-      tokens.append(stats["tokens_computed"])
-      entries.append(stats["attention_entries"])
+      tokens.append(int(metrics["train/tokens_computed"]))
+      entries.append(int(metrics["train/attention_entries"]))
     flops = [params_lib.train_flops(mcfg, t, e)
              for t, e in zip(tokens, entries)]
     row[name] = {"seconds_median": float(np.median(seconds)),

@@ -103,8 +103,6 @@ flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
 # {flag: field} per config, for --resume.
-MAY_CHANGE = frozenset({"steps", "checkpoint_every", "eval_every",
-                        "eval_tasks"})
 RUN_FLAGS = {"env": "env", "mode": "mode", "steps": "steps",
              "groups_per_step": "groups_per_step",
              "max_in_flight": "max_in_flight",
@@ -154,14 +152,11 @@ def _env_fields() -> tuple:
 
 def _fresh_configs(mcfg: ModelConfig):
   steps = FLAGS.steps
-  train = TrainConfig(
-      steps=steps * FLAGS.minibatches, seed=FLAGS.seed, learning_rate=FLAGS.learning_rate,
-      warmup_steps=FLAGS.warmup_steps, decay_fraction=FLAGS.decay_fraction,
-      min_lr_ratio=FLAGS.min_lr_ratio,
-      weight_decay=0.0, grad_clip=FLAGS.grad_clip,
-      mtp_depth=mcfg.num_mtp_modules, mtp_weight=rl_step.MTP_WEIGHT,
-      mtp_weight_final=rl_step.MTP_WEIGHT,
-      checkpoint_every=FLAGS.checkpoint_every)
+  train = loop.train_config(
+      mcfg, steps=steps * FLAGS.minibatches, seed=FLAGS.seed,
+      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+      decay_fraction=FLAGS.decay_fraction, min_lr_ratio=FLAGS.min_lr_ratio,
+      grad_clip=FLAGS.grad_clip)
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
                         mtp_depth=mcfg.num_mtp_modules)
   run = loop.RLRunConfig(
@@ -184,6 +179,15 @@ def _fresh_configs(mcfg: ModelConfig):
               trainer=trainer, schedule=schedule)
 
 
+# Each saved config, its class and the flags that set its fields.
+RESUMED = {"run": (loop.RLRunConfig, RUN_FLAGS),
+           "train": (TrainConfig, TRAIN_FLAGS),
+           "rl": (rl_step.RLConfig, RL_FLAGS),
+           "rollout": (rollout_lib.RolloutConfig, ROLLOUT_FLAGS),
+           "trainer": (trainer_lib.TrainerConfig, TRAINER_FLAGS),
+           "schedule": (sched_lib.ScheduleConfig, SCHEDULE_FLAGS)}
+
+
 def _resumed_configs(workdir: str):
   path = os.path.join(workdir, loop.CONFIG_FILE)
   if not os.path.exists(path):
@@ -191,30 +195,13 @@ def _resumed_configs(workdir: str):
                       "missing)")
   with open(path, encoding="utf-8") as f:
     saved = json.load(f)
-  given = lambda table: train_flags.given(table)  # pylint: disable=unnecessary-lambda-assignment
-  run = resume.resumed_config(loop.RLRunConfig, saved["run"],
-                              given(RUN_FLAGS), may_change=MAY_CHANGE)
-  out = dict(
-      model=config_from_dict(ModelConfig, saved["model"]),
-      train=resume.resumed_config(TrainConfig, saved["train"],
-                                  given(TRAIN_FLAGS)),
-      rl=loop.rl_config_from_dict(saved["rl"]),
-      run=run,
-      rollout=resume.resumed_config(rollout_lib.RolloutConfig,
-                                    saved["rollout"], given(ROLLOUT_FLAGS)),
-      trainer=resume.resumed_config(trainer_lib.TrainerConfig,
-                                    saved["trainer"], given(TRAINER_FLAGS)),
-      schedule=resume.resumed_config(sched_lib.ScheduleConfig,
-                                     saved["schedule"],
-                                     given(SCHEDULE_FLAGS)))
-  for flag, field in RL_FLAGS.items():
-    if FLAGS[flag].present and getattr(out["rl"], field) != FLAGS[flag].value:
-      raise ConfigError(f"RLConfig.{field}: the run has "
-                        f"{getattr(out['rl'], field)!r} but --{flag} gives "
-                        f"{FLAGS[flag].value!r}; leave the flag out to keep "
-                        "the run's value, or train in a fresh --workdir")
+  out = {name: resume.resumed_config(
+      cls, saved[name], train_flags.given(table),
+      may_change=loop.RESUMABLE_RUN_FIELDS if name == "run" else frozenset())
+         for name, (cls, table) in RESUMED.items()}
+  out["model"] = config_from_dict(ModelConfig, saved["model"])
   out["train"] = out["train"].replace(
-      steps=run.steps * out["trainer"].minibatches)
+      steps=out["run"].steps * out["trainer"].minibatches)
   return out
 
 

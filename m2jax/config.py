@@ -249,6 +249,8 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def _to_json(x):
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return config_to_dict(x)  # a nested config (RLConfig's clip ranges)
   return [_to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
 
 
@@ -262,7 +264,8 @@ def _saved_fields(config_or_cls):
 
 
 def config_to_dict(config) -> dict:
-  """A JSON-ready dict of a frozen config dataclass (tuples become lists).
+  """A JSON-ready dict of a frozen config dataclass (tuples become lists,
+  nested configs dicts).
 
   Fields marked `saved=False` (ModelConfig.settings: how a step runs) are
   left out: a saved config says what the model is.
@@ -272,7 +275,8 @@ def config_to_dict(config) -> dict:
 
 
 def config_from_dict(cls, d: dict):
-  """The inverse of config_to_dict (lists become tuples, validated again);
+  """The inverse of config_to_dict (lists become tuples, a dict where the
+  field's default is a config becomes that config; validated again);
   unsaved fields take their defaults.
 
   A model config saved before a field moved to Settings (_MOVED_TO_SETTINGS:
@@ -286,7 +290,15 @@ def config_from_dict(cls, d: dict):
   if unknown:
     raise ConfigError(f"{cls.__name__}: unknown fields {unknown} in a saved "
                       f"config (known: {sorted(known)})")
-  return cls(**{k: _from_json(v) for k, v in d.items()})
+  defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+  def value(name, v):
+    nested = defaults.get(name)
+    if isinstance(v, dict) and dataclasses.is_dataclass(nested):
+      return config_from_dict(type(nested), v)
+    return _from_json(v)
+
+  return cls(**{k: value(k, v) for k, v in d.items()})
 
 
 def _parse_value(field: dataclasses.Field, current, text: str):

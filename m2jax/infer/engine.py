@@ -203,12 +203,9 @@ class Engine:
     self.model_config, self.config = cfg, ec
     self.tokenizer = tokenizer
     self.mesh = mesh
-    variables = inference_variables(cfg, variables)
     if mesh is not None:
       sharding.check_mesh(cfg, mesh)
-      variables = sharding.place(variables,
-                                 sharding.variable_shardings(cfg, mesh))
-    self.variables = variables
+    self.variables = self._weights(variables)
     self.max_seq_len = min(ec.max_seq_len or cfg.max_position_embeddings,
                            cfg.max_position_embeddings)
     K = ec.mtp_draft
@@ -247,6 +244,15 @@ class Engine:
     target = jax.NamedSharding(self.mesh, spec or jax.P())
     return jax.tree.map(lambda x: jax.device_put(x, target), tree)
 
+  def _weights(self, variables):
+    """`variables` as the compiled steps read them: in the compute dtype
+    (inference_variables), placed on the mesh by the model's rules."""
+    variables = inference_variables(self.model_config, variables)
+    if self.mesh is None:
+      return variables
+    return sharding.place(variables, sharding.variable_shardings(
+        self.model_config, self.mesh))
+
   def _call(self, fn, *args):
     """Run a compiled step (under the mesh and its logical rules)."""
     if self.mesh is None:
@@ -262,10 +268,7 @@ class Engine:
     tokens come from the new weights, over a context whose keys and values
     the old weights computed, and the log-probs they report are those of
     that computation, the behaviour RL corrects for."""
-    variables = inference_variables(self.model_config, variables)
-    if self.mesh is not None:
-      variables = sharding.place(variables, sharding.variable_shardings(
-          self.model_config, self.mesh))
+    variables = self._weights(variables)
     old = jax.tree.structure(self.variables)
     if jax.tree.structure(variables) != old:
       raise EngineError("update_variables: the new variables' tree differs "

@@ -40,22 +40,11 @@ EPS_HIGH = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
-class CISPOConfig:
+class CISPOConfig(objectives.ClipConfig):
   """Clip range of the importance ratio and the token normalisation."""
   eps_low: float = EPS_LOW
   eps_high: float = EPS_HIGH
   normalize: str = "group"
-
-  def __post_init__(self):
-    if not 0 <= self.eps_low <= 1:
-      raise ValueError(f"CISPOConfig.eps_low: must be in [0, 1] (got "
-                       f"{self.eps_low!r})")
-    if self.eps_high < 0:
-      raise ValueError(f"CISPOConfig.eps_high: must be >= 0 (got "
-                       f"{self.eps_high!r})")
-    if self.normalize not in objectives.NORMALIZATIONS:
-      raise ValueError(f"CISPOConfig.normalize: must be one of "
-                       f"{objectives.NORMALIZATIONS} (got {self.normalize!r})")
 
 
 def group_advantages(rewards_G, eps: float = 1e-6):

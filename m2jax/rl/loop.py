@@ -48,7 +48,6 @@ every `eval_every` steps.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -59,13 +58,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from m2jax import model
-from m2jax.config import ModelConfig
+from m2jax.config import ModelConfig, config_to_dict
 from m2jax.data import ByteTokenizer, chat
 from m2jax.data.chat_data import ChatData
 from m2jax.errors import UserError
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
-from m2jax.rl import cispo
 from m2jax.rl import envs
 from m2jax.rl import objectives
 from m2jax.rl import pool as pool_lib
@@ -148,47 +146,34 @@ class RLRunConfig:
     return self.max_in_flight or 2 * self.groups_per_step
 
 
-def plain(config) -> dict:
-  """A config as JSON data (nested configs as dicts; a model config without
-  its Settings, which say how a step runs, not what it computes)."""
-  out = {}
-  for field in dataclasses.fields(config):
-    if not field.metadata.get("saved", True):
-      continue
-    value = getattr(config, field.name)
-    if dataclasses.is_dataclass(value):
-      value = plain(value)
-    out[field.name] = value
-  return json.loads(json.dumps(out, default=str))
+# The run's fields a resumed run may change (its length and cadences).
+RESUMABLE_RUN_FIELDS = frozenset({"steps", "checkpoint_every", "eval_every",
+                                  "eval_tasks"})
 
 
-def rl_config_from_dict(d: dict) -> rl_step.RLConfig:
-  """The inverse of `plain` for RLConfig (its clip configs nested)."""
-  d = dict(d)
-  nested = {"cispo": cispo.CISPOConfig, "grpo": objectives.PPOClipConfig,
-            "dapo": objectives.PPOClipConfig}
-  for name, cls in nested.items():
-    if name in d:
-      d[name] = cls(**d[name])
-  return rl_step.RLConfig(**d)
+def train_config(model_config: ModelConfig, *, steps: int,
+                 learning_rate: float, **fields) -> TrainConfig:
+  """RL's optimizer settings: no weight decay, every MTP module the model
+  has trained at pretraining's final weight (rl_step.MTP_WEIGHT), the
+  learning rate constant after warm-up unless `fields` say otherwise."""
+  fields = {"warmup_steps": 5, "decay_fraction": 0.0, "min_lr_ratio": 1.0,
+            **fields}
+  return TrainConfig(
+      steps=steps, learning_rate=learning_rate, weight_decay=0.0,
+      mtp_depth=model_config.num_mtp_modules, mtp_weight=rl_step.MTP_WEIGHT,
+      mtp_weight_final=rl_step.MTP_WEIGHT, **fields)
 
 
-def check_same(saved: dict, configs: dict) -> None:
+def check_same(saved: dict, configs: dict, where: str) -> None:
   """ConfigError naming the first field where a run's configs differ from
-  what its checkpoint saved (the run's length may change)."""
+  those its checkpoint saved (the run's length may change)."""
+  may_change = {"run": ("steps",)}
   for name, config in configs.items():
-    now = plain(config)
-    if name == "run":
-      now = dict(now, steps=saved.get(name, {}).get("steps"))
-    old = saved.get(name)
-    if old is None:
+    if name not in saved:
       continue
-    for field in sorted(set(old) | set(now)):
-      if old.get(field) != now.get(field):
-        raise UserError(
-            f"{type(config).__name__}.{field}: the run's checkpoint has "
-            f"{old.get(field)!r} but this run has {now.get(field)!r}; resume "
-            "with the run's config or use a fresh --workdir")
+    config = dataclasses.replace(config, **{
+        f: saved[name][f] for f in may_change.get(name, ())})
+    ckpt_lib.check_same_config(saved[name], config, where)
 
 
 class _Group(NamedTuple):
@@ -269,9 +254,8 @@ class _Run:
   def __init__(self, mcfg, tcfg, rl_config, run, rollout_config,
                trainer_config, schedule_config, engine_config, workdir, *,
                resume, init, progress, mesh):
-    self.mcfg, self.tcfg, self.rl_config, self.run = mcfg, tcfg, rl_config, run
+    self.rl_config, self.run, self.progress = rl_config, run, progress
     self.rollout_config, self.workdir = rollout_config, workdir
-    self.schedule_config, self.progress = schedule_config, progress
     self.configs = {"model": mcfg, "train": tcfg, "rl": rl_config,
                     "run": run, "rollout": rollout_config,
                     "trainer": trainer_config, "schedule": schedule_config}
@@ -284,12 +268,13 @@ class _Run:
       self.ckpt.check_resume()
       meta = self.ckpt.newest_meta()
       if meta is not None:
-        check_same(meta.get("configs", {}), self.configs)
+        check_same(meta["configs"], self.configs,
+                   f"the newest checkpoint in {workdir}")
     elif self.ckpt.steps() or os.path.exists(pool_path):
       raise UserError(f"{workdir} holds an RL run: continue it with "
                       "--resume, or use a fresh --workdir")
     ckpt_lib.write_json(os.path.join(workdir, CONFIG_FILE),
-                        {k: plain(v) for k, v in self.configs.items()})
+                        self._saved_configs())
     self.tokenizer = init.tokenizer if init is not None else ByteTokenizer()
     self.env = envs.make(run.env, **dict(run.env_fields))
     variables = warm_start(mcfg, tcfg, self.env, self.tokenizer, run,
@@ -341,12 +326,14 @@ class _Run:
     gid = rollout.submit(self._next_seq(), version)
     self.sched.submit(gid, version)
 
+  def _saved_configs(self) -> dict:
+    return {k: config_to_dict(v) for k, v in self.configs.items()}
+
   def _checkpoint(self) -> None:
     self.ckpt.save(self.step, self.trainer.state,
                    {"next_seq": self.next_seq},
                    {"version": self.version,
-                    "configs": {k: plain(v) for k, v in
-                                self.configs.items()}})
+                    "configs": self._saved_configs()})
 
   def _drop_stale(self, rollout: rollout_lib.Rollout, pool) -> None:
     """Groups past max_lag: finished ones discarded in the pool, running
@@ -580,8 +567,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
         stop_after: int | None = None, progress: bool = True,
         mesh=None) -> dict:
   """Runs (or resumes) an RL run in `workdir` (module docstring); returns
-  {"step", "version", "metrics" (the last step's), "eval_reward" (greedy,
-  at the end), "pool" (counts)}. `stop_after` ends early at that step
+  {"step", "version", "pool" (counts), "eval_reward" (greedy, at the end;
+  with eval_tasks)}. `stop_after` ends early at that step
   (with a checkpoint), as if killed right after it."""
   r = _Run(model_config, train_config, rl_config, run_config, rollout_config,
            trainer_config, schedule_config, engine_config, workdir,

@@ -66,23 +66,30 @@ ADVANTAGE_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOClipConfig:
-  """Clip range of the PPO-clip importance ratio and the token
-  normalisation (module docstring)."""
+class ClipConfig:
+  """Clip range of the importance ratio, [1 - eps_low, 1 + eps_high], and
+  the token normalisation (module docstring); each objective's config is
+  one with its own defaults (PPOClipConfig, cispo.CISPOConfig)."""
   eps_low: float = GRPO_EPS
   eps_high: float = GRPO_EPS
   normalize: str = "sequence"
 
   def __post_init__(self):
+    name = type(self).__name__
     if not 0 <= self.eps_low <= 1:
-      raise ValueError(f"PPOClipConfig.eps_low: must be in [0, 1] (got "
+      raise ValueError(f"{name}.eps_low: must be in [0, 1] (got "
                        f"{self.eps_low!r})")
     if self.eps_high < 0:
-      raise ValueError(f"PPOClipConfig.eps_high: must be >= 0 (got "
+      raise ValueError(f"{name}.eps_high: must be >= 0 (got "
                        f"{self.eps_high!r})")
     if self.normalize not in NORMALIZATIONS:
-      raise ValueError(f"PPOClipConfig.normalize: must be one of "
+      raise ValueError(f"{name}.normalize: must be one of "
                        f"{NORMALIZATIONS} (got {self.normalize!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOClipConfig(ClipConfig):
+  """The PPO-clip objectives' (GRPO, DAPO) clip range and normalisation."""
 
 
 # GRPO: PPO-clip, a token mean per sample then a mean over samples

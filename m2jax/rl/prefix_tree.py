@@ -123,6 +123,24 @@ class PackedTrees:
     idx = np.arange(self.tokens.shape[1])[None]
     return int(((self.subtree_end - idx) * (self.segment_ids != 0)).sum())
 
+  def padded_to(self, num_rows: int, pad_id: int = 0) -> "PackedTrees":
+    """These trees in `num_rows` rows: padding rows appended, laid out as
+    `pack(num_rows=...)` lays them out (every token sees only itself)."""
+    R, T = self.tokens.shape
+    if num_rows < R:
+      raise ValueError(f"padded_to: {R} rows do not fit num_rows={num_rows}")
+    extra = num_rows - R
+
+    def grow(x, fill):
+      return np.concatenate([x, np.broadcast_to(
+          np.asarray(fill, x.dtype), (extra, T))])
+
+    return dataclasses.replace(
+        self, tokens=grow(self.tokens, pad_id),
+        positions=grow(self.positions, 0),
+        subtree_end=grow(self.subtree_end, np.arange(1, T + 1)),
+        segment_ids=grow(self.segment_ids, 0), parent=grow(self.parent, -1))
+
   def model_inputs(self) -> dict:
     """Keyword arguments of m2jax.model.forward for these rows."""
     return {"segment_ids": jnp.asarray(self.segment_ids),

@@ -122,12 +122,11 @@ def task_rng(run_seed: int, seq: int) -> np.random.Generator:
 class _Group:
   group_id: str
   task: object
+  prompt: list[int]
   seq: int
   version: int
   submitted_at: float
-  request: int
   samples: list | None = None
-  ready_at: float = 0.0
 
 
 class Rollout:
@@ -146,7 +145,6 @@ class Rollout:
     self.pool, self.config, self.seed = pool, config, seed
     self._generating: dict[int, _Group] = {}   # request id -> group
     self._waiting: list[tuple[float, int, _Group]] = []  # (ready_at, seq, g)
-    self.generated_tokens = 0
     self.cancelled: set[str] = set()
 
   @property
@@ -154,13 +152,10 @@ class Rollout:
     """Groups submitted and not yet committed."""
     return len(self._generating) + len(self._waiting)
 
-  def group_id(self, seq: int) -> str:
-    return group_id(seq)
-
-  def cancel(self, group_id: str) -> None:
-    """Mark a group as unwanted (stale): it is still committed when done,
-    and reported by `poll` in `cancelled` instead of as finished."""
-    self.cancelled.add(group_id)
+  def cancel(self, group: str) -> None:
+    """Mark a group as unwanted (stale): when done it is still committed,
+    then discarded in the pool, and `poll` does not report it."""
+    self.cancelled.add(group)
 
   def submit(self, seq: int, version: int) -> str:
     """Start generating the group of task number `seq` with the
@@ -171,30 +166,29 @@ class Rollout:
         temperature=c.temperature, top_p=c.top_p, max_tokens=c.max_new_tokens,
         n=c.group_size, seed=group_seed(self.seed, seq),
         stop=(chat.END_OF_TURN,), include_stop_str_in_output=True)
-    rid = self.engine.add_request(prompt_ids(task, self.tokenizer), params)
-    group = _Group(self.group_id(seq), task, seq, version,
-                   time.time(), rid)
+    prompt = prompt_ids(task, self.tokenizer)
+    rid = self.engine.add_request(prompt, params)
+    group = _Group(group_id(seq), task, prompt, seq, version, time.time())
     self._generating[rid] = group
     return group.group_id
 
-  def poll(self, *, step_engine: bool = True) -> list[str]:
+  def poll(self) -> list[str]:
     """One engine step (if there is work), then commit every group whose
     environment latency has passed, one transaction each. Returns the ids
     of the groups committed (cancelled ones are committed and discarded,
     not returned)."""
-    if step_engine and self.engine.has_work():
+    if self.engine.has_work():
       self.engine.step()
     now = time.time()
     for rid in [r for r in self._generating if self.engine.done(r)]:
       group = self._generating.pop(rid)
       group.samples = self.engine.result(rid)
       self.engine.release(rid)
-      self.generated_tokens += sum(len(s.tokens) for s in group.samples)
       rng = np.random.default_rng([self.seed, 2, group.seq])
       latency = max(self.env.latency(group.task, rng)
                     for _ in group.samples)
-      group.ready_at = now + latency * self.config.latency_scale
-      heapq.heappush(self._waiting, (group.ready_at, group.seq, group))
+      heapq.heappush(self._waiting, (now + latency * self.config.latency_scale,
+                                     group.seq, group))
     done = []
     while self._waiting and self._waiting[0][0] <= now:
       _, _, group = heapq.heappop(self._waiting)
@@ -215,19 +209,20 @@ class Rollout:
     return max(0.0, self._waiting[0][0] - time.time())
 
   def _trajectories(self, group: _Group) -> list[pool_lib.Trajectory]:
-    state = prompt_ids(group.task, self.tokenizer)
+    state = np.asarray(group.prompt, np.int32)
     finished = time.time()
+    ids = trajectory_ids(group.group_id, len(group.samples))
     out = []
     for i, sample in enumerate(group.samples):
       verdict = self.env.verify(
           group.task, completion_text(sample.tokens, self.tokenizer))
       step = pool_lib.Step(
-          state=np.asarray(state, np.int32),
+          state=state,
           action=np.asarray(sample.tokens, np.int32),
           logprobs=np.asarray(sample.logprobs, np.float32),
           policy_version=group.version)
       out.append(pool_lib.Trajectory(
-          trajectory_id=f"{group.group_id}-{i}", group_id=group.group_id,
+          trajectory_id=ids[i], group_id=group.group_id,
           env=group.task.env, task_id=group.task.task_id,
           difficulty=group.task.difficulty, steps=(step,),
           reward=float(verdict.reward),

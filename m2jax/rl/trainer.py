@@ -115,20 +115,16 @@ def build_batches(trajectories, rl_config: rl_step.RLConfig,
   advantages = [np.where(m, adv_traj[o], 0).astype(np.float32)
                 for m, o in zip(masks, owner)]
   k = config.rows_per_micro_batch
-  pack = functools.partial(
-      prefix_tree.pack, seqs, row_len=config.row_len, loss_masks=masks,
+  trees = prefix_tree.pack(
+      seqs, row_len=config.row_len, loss_masks=masks,
       payloads={"old_logprobs": old, "advantages": advantages},
       merge=config.merge, max_len=max(_pow2(max(map(len, seqs))), floor[2]))
-  trees = pack()
   rows = max(_pow2(-(-trees.tokens.shape[0] // k)), floor[0]) * k
-  if rows != trees.tokens.shape[0]:
-    trees = pack(num_rows=rows)
+  trees = trees.padded_to(rows)
   sample_groups = np.unique(np.asarray(groups), return_inverse=True)[1]
-  batches = rl_step.make_batches(trees, sample_groups, rl_config,
-                                 rows_per_batch=k)
-  # Sample slots to a power of two: one more shape family at most.
-  slots = max(_pow2(max(int((b.sample_index[:, 0] >= 0).sum())
-                        for b in batches)), floor[1])
+  # Sample slots per micro-batch to a power of two (the most any holds).
+  row_of_sample = trees.sample_index[:, 0] // config.row_len
+  slots = max(_pow2(int(np.bincount(row_of_sample // k).max())), floor[1])
   batches = rl_step.make_batches(trees, sample_groups, rl_config,
                                  rows_per_batch=k, samples_per_batch=slots)
   stats = {"tokens_computed": trees.num_tokens,
@@ -141,10 +137,10 @@ def build_batches(trajectories, rl_config: rl_step.RLConfig,
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(model_config: ModelConfig, train_config: TrainConfig,
-            rl_config: rl_step.RLConfig):
-  """(step, reference pass) jitted once per configs in a process: runs of
-  one program (a sweep over seeds) share their compilations."""
+def _compiled(model_config: ModelConfig, train_config: TrainConfig,
+              rl_config: rl_step.RLConfig, mesh=None):
+  """(step, reference pass), jitted once per configs and mesh in a process:
+  runs of one program (a sweep over seeds) share their compilations."""
   step = functools.partial(rl_step.train_step, model_config=model_config,
                            train_config=train_config, config=rl_config)
 
@@ -154,12 +150,14 @@ def _jitted(model_config: ModelConfig, train_config: TrainConfig,
         model_config=model_config), batches)
     return batches._replace(ref_logprobs=logprobs)
 
-  return step, with_reference
-
-
-@functools.lru_cache(maxsize=8)
-def _single_device(step, with_reference):
-  return jax.jit(step, donate_argnums=0), jax.jit(with_reference)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0), jax.jit(with_reference)
+  shardings = state_lib.state_shardings(model_config, train_config, mesh)
+  rep = sharding.replicated(mesh)
+  return (sharding.on_mesh(jax.jit(
+      step, in_shardings=(shardings, rep), out_shardings=(shardings, rep),
+      donate_argnums=0), mesh),
+          sharding.on_mesh(jax.jit(with_reference), mesh))
 
 
 class Trainer:
@@ -173,23 +171,15 @@ class Trainer:
   def __init__(self, model_config: ModelConfig, train_config: TrainConfig,
                rl_config: rl_step.RLConfig, config: TrainerConfig,
                state: state_lib.TrainState, *, mesh=None):
-    self.model_config, self.train_config = model_config, train_config
-    self.rl_config, self.config, self.mesh = rl_config, config, mesh
+    self.rl_config, self.config = rl_config, config
     self._floor = (1, 1, 1)
     # The seed only matters for init: runs that differ by it share a step.
-    step, with_reference = _jitted(model_config,
-                                   train_config.replace(seed=0), rl_config)
-    if mesh is None:
-      self._step, self._reference = _single_device(step, with_reference)
-      self.state = state
-    else:
-      shardings = state_lib.state_shardings(model_config, train_config, mesh)
-      rep = sharding.replicated(mesh)
-      self._step = sharding.on_mesh(jax.jit(
-          step, in_shardings=(shardings, rep), out_shardings=(shardings, rep),
-          donate_argnums=0), mesh)
-      self._reference = sharding.on_mesh(jax.jit(with_reference), mesh)
-      self.state = jax.device_put(state, shardings)
+    self._step, self._reference = _compiled(
+        model_config, train_config.replace(seed=0), rl_config, mesh)
+    if mesh is not None:
+      state = jax.device_put(state, state_lib.state_shardings(
+          model_config, train_config, mesh))
+    self.state = state
     # The frozen reference policy (a copy: the state's buffers are donated).
     self.reference = self.snapshot() if rl_config.kl_coef else None
 
@@ -206,9 +196,9 @@ class Trainer:
     groups: dict[str, list] = {}
     for t in trajectories:
       groups.setdefault(t.group_id, []).append(t)
-    parts = [list(p) for p in np.array_split(
-        np.arange(len(groups)), min(self.config.minibatches, len(groups)))]
     ordered = list(groups.values())
+    parts = np.array_split(np.arange(len(ordered)),
+                           min(self.config.minibatches, len(ordered)))
     totals, stats_sum = {}, {}
     for part in parts:
       chunk = [t for i in part for t in ordered[i]]
@@ -223,8 +213,7 @@ class Trainer:
         totals[k] = totals.get(k, 0.0) + float(v) / len(parts)
       for k, v in stats.items():
         stats_sum[k] = stats_sum.get(k, 0) + v
-    totals.update({f"train/{k}": float(v) for k, v in stats_sum.items()
-                   if k != "attention_entries"})
+    totals.update({f"train/{k}": float(v) for k, v in stats_sum.items()})
     totals["train/merge_ratio"] = (stats_sum["tokens_in_samples"]
                                    / max(stats_sum["tokens_computed"], 1))
     totals["train/seconds"] = time.perf_counter() - start
