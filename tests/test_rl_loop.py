@@ -250,3 +250,18 @@ def test_cli_refuses_bad_flags_in_one_line(tmp_path, args, message):
   lines = [l for l in out.stderr.splitlines() if l.strip()]
   assert message in lines[-1], out.stderr[-2000:]
   assert not os.path.exists(tmp_path / loop.POOL_FILE)
+
+
+def test_resume_may_lengthen_the_run_and_change_its_cadence(tmp_path):
+  """--steps and the cadence flags may change on resume (the CLI's
+  RESUMABLE_RUN_FIELDS; the optimizer schedule follows the length);
+  another field is refused naming it."""
+  _run(tmp_path, _run_config(steps=1))
+  longer = _run_config(steps=2, eval_every=5, checkpoint_every=2)
+  summary = loop.run(CFG, TRAIN.replace(steps=2), longer, str(tmp_path),
+                     rl_config=RL, rollout_config=ROLLOUT,
+                     trainer_config=TRAINER, engine_config=ENGINE,
+                     resume=True, progress=False)
+  assert summary["step"] == 2
+  with pytest.raises(config_lib.ConfigError, match="groups_per_step"):
+    _run(tmp_path, _run_config(steps=3, groups_per_step=3), resume=True)

@@ -166,8 +166,9 @@ def train_config(model_config: ModelConfig, *, steps: int,
 
 def check_same(saved: dict, configs: dict, where: str) -> None:
   """ConfigError naming the first field where a run's configs differ from
-  those its checkpoint saved (the run's length may change)."""
-  may_change = {"run": ("steps",)}
+  those its checkpoint saved (RESUMABLE_RUN_FIELDS may change, and with
+  the run's length the optimizer schedule's)."""
+  may_change = {"run": RESUMABLE_RUN_FIELDS, "train": ("steps",)}
   for name, config in configs.items():
     if name not in saved:
       continue
