@@ -15,11 +15,11 @@ trained on it), checkpoints/, metrics.jsonl and tensorboard/
 (m2jax/rl/loop.py says what each holds).
 
 --resume continues WORKDIR with the configs it saved: a flag left out keeps
-the run's value; --steps and the cadence flags may change; any other flag
-given that contradicts the run is refused, naming the field. A killed run
-resumes from its newest checkpoint with its pool intact, and trains no
-trajectory twice. All logic is in m2jax.rl; this file turns flags into
-configs.
+the run's value; --steps, --max_rollouts and the cadence flags may change;
+any other flag given that contradicts the run is refused, naming the field.
+A killed run resumes from its newest checkpoint with its pool intact, and
+trains no trajectory twice. All logic is in m2jax.rl; this file turns flags
+into configs.
 """
 
 import dataclasses
@@ -69,6 +69,8 @@ flags.DEFINE_integer("max_lag", sched_lib.ScheduleConfig.max_lag,
                      "Most policy versions a trained group may lag.")
 # Rollouts.
 flags.DEFINE_integer("steps", 100, "Policy updates.")
+flags.DEFINE_integer("max_rollouts", 0, "Rollout budget: end after the step "
+                     "at which this many samples were generated (0: none).")
 flags.DEFINE_integer("groups_per_step", 8, "GRPO groups per update.")
 flags.DEFINE_integer("group_size", 8, "Samples per task.")
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
@@ -104,6 +106,7 @@ run_flags.define()  # --mesh, the Settings flags, multi-host
 
 # {flag: field} per config, for --resume.
 RUN_FLAGS = {"env": "env", "mode": "mode", "steps": "steps",
+             "max_rollouts": "max_rollouts",
              "groups_per_step": "groups_per_step",
              "max_in_flight": "max_in_flight",
              "warm_start_steps": "warm_start_steps",
@@ -161,7 +164,7 @@ def _fresh_configs(mcfg: ModelConfig):
                         mtp_depth=mcfg.num_mtp_modules)
   run = loop.RLRunConfig(
       env=FLAGS.env, env_fields=_env_fields(), mode=FLAGS.mode, steps=steps,
-      groups_per_step=FLAGS.groups_per_step,
+      max_rollouts=FLAGS.max_rollouts, groups_per_step=FLAGS.groups_per_step,
       max_in_flight=FLAGS.max_in_flight,
       warm_start_steps=FLAGS.warm_start_steps,
       warm_start_learning_rate=FLAGS.warm_start_learning_rate,

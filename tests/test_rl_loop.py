@@ -253,15 +253,22 @@ def test_cli_refuses_bad_flags_in_one_line(tmp_path, args, message):
 
 
 def test_resume_may_lengthen_the_run_and_change_its_cadence(tmp_path):
-  """--steps and the cadence flags may change on resume (the CLI's
-  RESUMABLE_RUN_FIELDS; the optimizer schedule follows the length);
-  another field is refused naming it."""
+  """--steps, --max_rollouts and the cadence flags may change on resume
+  (the CLI's RESUMABLE_RUN_FIELDS; the optimizer schedule follows the
+  length); another field is refused naming it. A rollout budget ends the
+  run at the step that spends it, before `steps`."""
   _run(tmp_path, _run_config(steps=1))
-  longer = _run_config(steps=2, eval_every=5, checkpoint_every=2)
-  summary = loop.run(CFG, TRAIN.replace(steps=2), longer, str(tmp_path),
+  # 2 groups x 2 samples a step: the budget of 8 is spent at step 2 of 5,
+  # which is checkpointed as the run's last.
+  longer = _run_config(steps=5, max_rollouts=8, eval_every=5,
+                       checkpoint_every=3)
+  summary = loop.run(CFG, TRAIN.replace(steps=5), longer, str(tmp_path),
                      rl_config=RL, rollout_config=ROLLOUT,
                      trainer_config=TRAINER, engine_config=ENGINE,
                      resume=True, progress=False)
   assert summary["step"] == 2
+  lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [l["rollouts"] for l in lines] == [4, 8]
+  assert _params(tmp_path)[:2] == (2, 2)
   with pytest.raises(config_lib.ConfigError, match="groups_per_step"):
     _run(tmp_path, _run_config(steps=3, groups_per_step=3), resume=True)

@@ -41,7 +41,8 @@ position, so in sync mode a resumed run reproduces the uninterrupted one.
 
 metrics.jsonl keys: step, reward_mean, reward_std, accuracy, policy_lag,
 policy_lag_max, samples_per_sec, trainer_idle_fraction, clip_fraction,
-entropy, loss, difficulty_mean, and eval_reward (greedy, held-out tasks)
+entropy, loss, difficulty_mean, rollouts (samples generated so far, the
+pool's finished count), and eval_reward (greedy, held-out tasks)
 every `eval_every` steps.
 """
 
@@ -90,6 +91,10 @@ class RLRunConfig:
   env: an environment of m2jax.rl.envs (env_fields: its config fields).
   mode: "sync" or "async" (module docstring).
   steps: policy updates.
+  max_rollouts: a rollout budget (0: none): the run ends after the step at
+    which the pool holds this many generated samples (trained, discarded
+    and waiting alike), so algorithms that discard samples (DAPO's dynamic
+    sampling) are compared at equal generation.
   groups_per_step: GRPO groups per update.
   max_in_flight: groups generating or waiting at once (async; None: twice
     groups_per_step).
@@ -108,6 +113,7 @@ class RLRunConfig:
   env_fields: tuple[tuple[str, object], ...] = ()
   mode: str = "sync"
   steps: int = 100
+  max_rollouts: int = 0
   groups_per_step: int = 8
   max_in_flight: int | None = None
   dynamic_sampling_rounds: int = 3
@@ -132,8 +138,8 @@ class RLRunConfig:
                   "keep_checkpoints"):
       if getattr(self, field) < 1:
         fail(field, "must be >= 1")
-    for field in ("warm_start_steps", "eval_tasks", "eval_every",
-                  "checkpoint_every"):
+    for field in ("max_rollouts", "warm_start_steps", "eval_tasks",
+                  "eval_every", "checkpoint_every"):
       if getattr(self, field) < 0:
         fail(field, "must be >= 0")
     if self.max_in_flight is not None and self.max_in_flight < 1:
@@ -147,8 +153,8 @@ class RLRunConfig:
 
 
 # The run's fields a resumed run may change (its length and cadences).
-RESUMABLE_RUN_FIELDS = frozenset({"steps", "checkpoint_every", "eval_every",
-                                  "eval_tasks"})
+RESUMABLE_RUN_FIELDS = frozenset({"steps", "max_rollouts", "checkpoint_every",
+                                  "eval_every", "eval_tasks"})
 
 
 def train_config(model_config: ModelConfig, *, steps: int,
@@ -413,6 +419,7 @@ class _Run:
             "step_seconds": time.time() - started}
 
   def _log(self, metrics: dict) -> None:
+    metrics["rollouts"] = self.pool.counts()["finished"]
     if (self.run.eval_every and self.run.eval_tasks
         and self.step % self.run.eval_every == 0
         and self.run.mode == "sync"):
@@ -428,11 +435,16 @@ class _Run:
             + (f" eval {metrics['eval_reward']:.3f}"
                if "eval_reward" in metrics else ""), flush=True)
     every = self.run.checkpoint_every
-    if every and (self.step % every == 0 or self.step == self.run.steps):
+    if every and (self.step % every == 0 or not self._more(None)):
       self._checkpoint()
 
-  def _limit(self, stop_after: int | None) -> int:
-    return min(self.run.steps, stop_after or self.run.steps)
+  def _more(self, stop_after: int | None) -> bool:
+    """Whether another step runs: below `steps` (and `stop_after`), and
+    the rollout budget not spent."""
+    if self.step >= min(self.run.steps, stop_after or self.run.steps):
+      return False
+    budget = self.run.max_rollouts
+    return not budget or self.pool.counts()["finished"] < budget
 
   # -- sync --
 
@@ -442,7 +454,7 @@ class _Run:
                                   self.pool, self.rollout_config,
                                   seed=self.run.seed)
     n = self.run.groups_per_step
-    while self.step < self._limit(stop_after):
+    while self._more(stop_after):
       started, batch, kept, tried = time.time(), [], 0, 0
       self._tried = []
       while kept < n and tried < n * self.run.dynamic_sampling_rounds:
@@ -524,7 +536,7 @@ class _Run:
     thread.start()
     n = self.run.groups_per_step
     try:
-      while self.step < self._limit(stop_after):
+      while self._more(stop_after):
         started, idle, batch, kept, tried = time.time(), 0.0, [], 0, 0
         self._tried = []
         while kept < n and tried < n * self.run.dynamic_sampling_rounds:
