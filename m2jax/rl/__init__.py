@@ -11,6 +11,8 @@ policy objectives and prefix-tree merging.
   scheduler.py    which finished rollouts the trainer takes: windowed FIFO,
                   strict FIFO, greedy; the policy-lag cap and its bound
   trainer.py      trajectories -> prefix-tree-merged rows -> the RL step
+  rewards.py      the composite reward (process, speed, outcome), its
+                  reward-to-go and per-step group-relative advantages
   envs/           environments with verifiers, demonstrations and latency
                   models: arithmetic, sorting
   cispo.py        the CISPO policy loss (the default objective)

@@ -148,6 +148,19 @@ def token_weights(loss_mask_SxL, group_ids_S, normalize: str = "group"
   return (mask * per_sample[:, None]).astype(np.float32)
 
 
+def group_mean_std(values_S, group_ids_S, *, what: str = "group_mean_std"
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Each sample's group mean and population std (ddof 0) of `values_S`,
+  two [S] float64 arrays (numpy, host): the baseline and scale of
+  group-relative advantages. `what` names the caller in errors."""
+  r = _rewards(values_S, what)
+  g = _labels(group_ids_S, r.shape[0], what)
+  n = np.bincount(g)
+  mean_S = (np.bincount(g, weights=r) / n)[g]
+  sd_S = np.sqrt(np.bincount(g, weights=(r - mean_S) ** 2) / n)[g]
+  return mean_S, sd_S
+
+
 def group_advantages(rewards_S, group_ids_S, *, std: bool = True,
                      eps: float = ADVANTAGE_EPS) -> np.ndarray:
   """Group-relative advantages [S] float32 (numpy, host).
@@ -156,15 +169,14 @@ def group_advantages(rewards_S, group_ids_S, *, std: bool = True,
   advantage. std=False: reward - group mean (Dr. GRPO, Liu et al. 2025,
   which drops the std's difficulty bias). The std is the population std
   (ddof 0) of the group's rewards; a group of equal rewards gets 0.
+  Multi-step trajectories: m2jax.rl.rewards.step_advantages.
   """
   r = _rewards(rewards_S, "group_advantages")
-  g = _labels(group_ids_S, r.shape[0], "group_advantages")
-  n = np.bincount(g)
-  centred = r - (np.bincount(g, weights=r) / n)[g]
+  mean_S, sd_S = group_mean_std(r, group_ids_S, what="group_advantages")
+  centred = r - mean_S
   if not std:
     return centred.astype(np.float32)
-  sd = np.sqrt(np.bincount(g, weights=centred ** 2) / n)
-  return (centred / (sd[g] + eps)).astype(np.float32)
+  return (centred / (sd_S + eps)).astype(np.float32)
 
 
 class Filtered(NamedTuple):

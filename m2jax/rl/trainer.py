@@ -7,9 +7,12 @@ the rollout recorded. Successive steps of one trajectory share their history
 (step t's state extends step t-1's), and the samples of a GRPO group share
 their prompt: `prefix_tree.pack` stores each shared prefix once.
 
-Advantages are group-relative over the trajectories' final rewards
-(objectives.group_advantages), the same for every trained token of a
-trajectory. (DAPO's dynamic sampling, which drops groups whose rewards are
+Advantages are per step (m2jax.rl.rewards): the composite reward of each
+step (process, speed, outcome; RewardConfig), its reward-to-go, and a
+group-relative baseline, the group's mean return from the start; every
+trained token of step t gets that step's A_t. With single-step samples and
+only an outcome reward this is objectives.group_advantages of the final
+rewards. (DAPO's dynamic sampling, which drops groups whose rewards are
 all equal, happens before: the loop refills the batch.)
 
 KL to a reference policy (RLConfig.kl_coef > 0): the reference is the
@@ -35,8 +38,8 @@ import numpy as np
 from m2jax import model, sharding
 from m2jax.config import ModelConfig
 from m2jax.errors import UserError
-from m2jax.rl import objectives
 from m2jax.rl import prefix_tree
+from m2jax.rl import rewards as rewards_lib
 from m2jax.rl import step as rl_step
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
@@ -94,26 +97,28 @@ def samples_of(trajectories):
 
 
 def build_batches(trajectories, rl_config: rl_step.RLConfig,
-                  config: TrainerConfig, *, floor=(1, 1, 1)
-                  ) -> tuple[rl_step.RLBatch, dict]:
+                  config: TrainerConfig, *,
+                  rewards: rewards_lib.RewardConfig = (
+                      rewards_lib.RewardConfig()),
+                  floor=(1, 1, 1)) -> tuple[rl_step.RLBatch, dict]:
   """Stacked micro-batches [M, ...] of the merged rows of `trajectories`,
-  and statistics of the packing (tokens computed and trained, and the
-  bucketed shape (M, sample slots, sample length) it used, at least
-  `floor`: a trainer passes the largest shape so far, so its step compiles
-  a few times per run, not once per new small shape)."""
+  with per-step advantages (`rewards`; module docstring), and statistics
+  of the packing (tokens computed and trained, and the bucketed shape (M,
+  sample slots, sample length) it used, at least `floor`: a trainer passes
+  the largest shape so far, so its step compiles a few times per run, not
+  once per new small shape)."""
   if not trajectories:
     raise UserError("build_batches: no trajectories")
-  rewards = np.asarray([t.reward for t in trajectories], np.float32)
-  group_of = np.asarray([t.group_id for t in trajectories])
-  adv_traj = objectives.group_advantages(rewards, group_of,
-                                         std=rl_config.advantage_std)
-  seqs, masks, old, groups, owner = samples_of(trajectories)
+  seqs, masks, old, groups, _ = samples_of(trajectories)
   too_long = [len(s) for s in seqs if len(s) > config.row_len]
   if too_long:
     raise UserError(f"a sample of {max(too_long)} tokens does not fit "
                     f"TrainerConfig.row_len={config.row_len}")
-  advantages = [np.where(m, adv_traj[o], 0).astype(np.float32)
-                for m, o in zip(masks, owner)]
+  # One advantage per sample: samples_of's order, trajectories then steps.
+  adv_S = np.concatenate(rewards_lib.step_advantages(
+      trajectories, rewards, std=rl_config.advantage_std))
+  advantages = [np.where(m, a, 0).astype(np.float32)
+                for m, a in zip(masks, adv_S)]
   k = config.rows_per_micro_batch
   trees = prefix_tree.pack(
       seqs, row_len=config.row_len, loss_masks=masks,
@@ -163,15 +168,22 @@ def _compiled(model_config: ModelConfig, train_config: TrainConfig,
 class Trainer:
   """The policy's train state and its compiled merged RL step.
 
-    trainer = Trainer(mcfg, tcfg, RLConfig(), TrainerConfig(), state)
+    trainer = Trainer(mcfg, tcfg, RLConfig(), TrainerConfig(), state,
+                      rewards=RewardConfig())
     metrics = trainer.train(trajectories)   # one policy update
     engine.update_variables(trainer.snapshot())
   """
 
   def __init__(self, model_config: ModelConfig, train_config: TrainConfig,
                rl_config: rl_step.RLConfig, config: TrainerConfig,
-               state: state_lib.TrainState, *, mesh=None):
-    self.rl_config, self.config = rl_config, config
+               state: state_lib.TrainState, *, mesh=None,
+               rewards: rewards_lib.RewardConfig = (
+                   rewards_lib.RewardConfig())):
+    """`rewards`: the composite reward and its per-step advantages."""
+    if not isinstance(rewards, rewards_lib.RewardConfig):
+      raise UserError(f"Trainer: rewards is a {type(rewards).__name__}, "
+                      "expected a RewardConfig")
+    self.rl_config, self.config, self.rewards = rl_config, config, rewards
     self._floor = (1, 1, 1)
     # The seed only matters for init: runs that differ by it share a step.
     self._step, self._reference = _compiled(
@@ -203,7 +215,7 @@ class Trainer:
     for part in parts:
       chunk = [t for i in part for t in ordered[i]]
       batches, stats = build_batches(chunk, self.rl_config, self.config,
-                                     floor=self._floor)
+                                     rewards=self.rewards, floor=self._floor)
       shape = stats.pop("shape")
       self._floor = tuple(map(max, self._floor, shape))
       if self.reference is not None:
