@@ -7,6 +7,8 @@ they hold alone (the hook is not a boundary)."""
 
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -57,6 +59,28 @@ def _python(code, config=FAST):
 
 def _lines(*lines):
   return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ layers
+
+def test_the_sandbox_uses_every_layer_this_kernel_offers():
+  # Probed here, apart from the sandbox: a layer it failed to set up would
+  # otherwise only skip the tests that need it.
+  probe = _lines(
+      "import ctypes, os", "offers = []", "try:",
+      "  os.unshare(os.CLONE_NEWUSER | os.CLONE_NEWNET | os.CLONE_NEWNS)",
+      "  offers += ['userns', 'netns', 'tmpfs']", "except OSError:",
+      "  pass", "libc = ctypes.CDLL(None)",
+      "if libc.syscall(444, None, 0, 1) >= 1:",   # landlock's ABI version
+      "  offers.append('landlock')", "print(' '.join(offers))")
+  offers = subprocess.run([sys.executable, "-I", "-c", probe], check=True,
+                          capture_output=True, text=True).stdout.split()
+  with open("/proc/self/status") as f:
+    if ("Seccomp:" in f.read()
+        and os.uname().machine in ("x86_64", "aarch64")):
+      offers.append("seccomp")
+  assert set(offers) | {"rlimits", "audit"} <= set(LAYERS), (offers, LAYERS)
+  assert "audit" not in sandbox.containment(BARE)
 
 
 # ------------------------------------------------------------ ordinary code
