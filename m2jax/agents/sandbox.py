@@ -16,11 +16,13 @@ in layers; `SandboxResult.layers` says which held for a run:
   netns     a network namespace of its own with no interface up: nothing
             on this host or beyond can be reached, loopback included
   tmpfs     (a mount namespace) the working directory is a fresh tmpfs of
-            `disk_bytes`, so the code cannot fill a disk; it vanishes with
-            the process, so cleanup holds even when the run is killed
+            `disk_bytes`, so the code cannot fill a disk (without it only
+            RLIMIT_FSIZE bounds each file); it vanishes with the process
   rlimits   RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NOFILE,
-            RLIMIT_NPROC (threads; counted in the user namespace, ignored by
-            the kernel for uid 0), no core files
+            RLIMIT_NPROC (threads, counted in the user namespace; the
+            kernel ignores it for uid 0, where threads are bounded by
+            RLIMIT_AS alone, each stack being address space), no core files
+  nocaps    every capability dropped (root's too, without a user namespace)
   landlock  the kernel refuses writes, file creation and removal outside
             the working directory (reads stay allowed: the standard library
             and site-packages import), TCP bind and connect, signals to
@@ -31,19 +33,21 @@ in layers; `SandboxResult.layers` says which held for a run:
             raising limits, signals only to itself; x86_64 and aarch64
   audit     a sys.addaudithook preamble that turns what the layers above
             refuse into a PermissionError saying so ('sandbox: network
-            access is not allowed'), and blocks ctypes
+            access is not allowed'), and refuses ctypes' library loading,
+            symbol lookup and raw memory access
 
-What is a security boundary: the namespaces, landlock and seccomp are
-enforced by the kernel and hold whatever the code does inside the process
-(ctypes included, which cannot undo them). rlimits hold within the user
-namespace. The audit hook is NOT a boundary: CPython's own docs say a hook
-can be bypassed by code that runs in the process; it is there for clear
-error messages and as the only network / write / process guard where the
-kernel layers are missing. On this project's containers (Linux 6.x, root)
-all layers hold; elsewhere a layer the kernel refuses is left out and the
-result's `layers` says so. Not covered by any layer: reading files the
-user running m2jax can read (the code may read /etc or the checkpoint
-directory), and the CPU and memory the code uses up to its limits.
+What is a security boundary: the namespaces, nocaps, landlock and seccomp
+are enforced by the kernel and hold whatever the code does inside the
+process (ctypes included, which cannot undo them); so do the rlimits, which
+no capability is left to raise. The audit hook is NOT a boundary: CPython's
+own docs say a hook can be bypassed by code that runs in the process; it
+is there for clear error messages and as the only network / write /
+process guard where the kernel layers are missing. On this project's
+containers (Linux 6.18, landlock ABI 7) all layers hold, run as root or as
+uid 1000; elsewhere a layer the kernel refuses is left out and the result's
+`layers` says so. Not covered by any layer: reading what the user running
+m2jax may read (the code can read /etc or a checkpoint directory), and the
+CPU and memory the code uses up to its limits.
 """
 
 from __future__ import annotations
@@ -170,6 +174,10 @@ def _checked_files(files, config: SandboxConfig) -> dict[str, bytes]:
       raise ConfigError(f"run_python: file {name!r} must be str or bytes")
     out[name] = content
     total += len(content)
+  folders = [name.rsplit("/", 1)[0] + "/" for name in out if "/" in name]
+  for name in out:
+    if any(folder.startswith(name + "/") for folder in folders):
+      raise ConfigError(f"run_python: {name!r} is a file and a directory")
   # The files must leave room in the tmpfs for the code's own writes.
   if total > config.disk_bytes // 2:
     raise ConfigError(f"run_python: the files hold {total} bytes, more than "
@@ -191,6 +199,9 @@ def _run(request: dict, workdir: str, config: SandboxConfig
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, pass_fds=(status_w,),
         start_new_session=True)
+  except BaseException:
+    os.close(status_r)
+    raise
   finally:
     os.close(status_w)
   out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
@@ -346,6 +357,7 @@ def containment(config: SandboxConfig = SandboxConfig()) -> tuple[str, ...]:
 # its -c program (the child imports nothing of m2jax), so they use only the
 # standard library and each other.
 
+@functools.cache
 def _child_source() -> str:
   functions = (_child_main, _child_confine, _child_landlock, _child_seccomp,
                _child_audit, _child_run)
@@ -363,7 +375,7 @@ def _child_main():
     layers = _child_confine(request)
   except Exception as e:  # pylint: disable=broad-except
     print(f"{type(e).__name__}: {e}", file=sys.stderr)
-    os._exit(request["exit_setup"])
+    sys.exit(request["exit_setup"])
   if request["audit"]:
     _child_audit(os.getcwd())
     layers.append("audit")
@@ -423,6 +435,10 @@ def _child_confine(request):
     hard = value + 1 if which == resource.RLIMIT_CPU else value
     resource.setrlimit(which, (value, hard))
   layers.append("rlimits")
+  # Every capability goes, those of root outside a user namespace included.
+  header = (ctypes.c_uint32 * 2)(0x20080522, 0)   # _LINUX_CAPABILITY_VERSION_3
+  if libc.capset(header, (ctypes.c_uint32 * 6)()) == 0:
+    layers.append("nocaps")
   if _child_landlock(workdir):
     layers.append("landlock")
   if _child_seccomp(os.getpid()):
@@ -637,8 +653,12 @@ def _child_run(request):
     raise
   except BaseException as e:  # pylint: disable=broad-except
     namespace.clear()   # room to print a MemoryError's traceback
-    tb = e.__traceback__
-    traceback.print_exception(type(e), e, tb.tb_next if tb else None)
+    report = traceback.TracebackException.from_exception(e)
+    # Frames of this preamble (the -c program, '<string>') are not the
+    # code's: drop them, the audit hook's included.
+    report.stack = traceback.StackSummary.from_list(
+        [f for f in report.stack if f.filename != "<string>"])
+    print("".join(report.format()), end="", file=sys.stderr)
     status = 1
     if isinstance(e, MemoryError):
       status = request["exit_memory"]
