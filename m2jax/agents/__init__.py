@@ -1,7 +1,10 @@
 """Forge agents (SPEC §3): tools, the white-box agent loop, and what the
 black-box agents' gateway records.
 
-  tools.py     the tool registry and the calculator; each tool an OpenAI
-               function spec plus a call that returns text or a ToolError
-  sandbox.py   running untrusted Python in a limited subprocess
+  tools.py     the tool registry and the tools: an exact calculator, Python
+               run in the sandbox, listing and reading one directory's
+               files; each an OpenAI function spec plus a call that returns
+               text or raises a ToolError
+  sandbox.py   running untrusted Python in a confined subprocess (kernel
+               namespaces, landlock, seccomp, rlimits, an audit hook)
 """

@@ -4,13 +4,20 @@ A tool is a name, a description and a JSON-schema of its arguments (the
 OpenAI function spec the chat template lists in the system turn, see
 m2jax.data.chat), and a call from an arguments dict to text. Whatever goes
 wrong inside a tool (bad arguments, a limit hit, an exception) comes back
-as a ToolResult with error=True and a one-line message the model sees as
-the tool's output: a tool never crashes the agent.
+as a ToolResult with error=True and a message the model sees as the tool's
+output, its first line saying what happened: a tool never crashes the
+agent.
 
-  registry = ToolRegistry([Calculator()])
+  registry = ToolRegistry([Calculator(), PythonTool(), ReadFile(data_dir)])
   registry.specs()                       # for chat.render(..., tools=...)
   registry.call("calculator", {"expression": "123456789 * 987654321"})
   # ToolResult(content="121932631112635269", error=False)
+  registry.call("python", {"code": "while True: pass"})
+  # ToolResult(content="error: CPU time limit (10 s) reached; ...", True)
+
+The tools: Calculator (exact arithmetic), PythonTool (code run in
+m2jax.agents.sandbox), ListFiles and ReadFile (one directory's files, read
+only, no path out of it).
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import operator
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from m2jax.errors import UserError
+from m2jax.agents.sandbox import SandboxConfig, run_python
+from m2jax.errors import MissingPathError, UserError
 
 # The most characters of a tool's output the model sees; longer output is
 # cut, and the cut said, so a tool cannot flood the context.
@@ -174,6 +185,10 @@ class Calculator:
         raise ToolError("result too large") from None
       if isinstance(value, int) and value.bit_length() > 3.33 * self.max_digits:
         raise ToolError(f"result has more than {self.max_digits} digits")
+      if isinstance(value, complex):   # a negative number to a fraction
+        raise ToolError(f"{ast.unparse(node)!r} is not a real number")
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("result too large")
       return value
     raise ToolError(f"unsupported expression: {ast.unparse(node)!r}")
 
@@ -181,3 +196,157 @@ class Calculator:
     if isinstance(b, int) and isinstance(a, int) and abs(a) > 1:
       if b > 0 and b * max(a.bit_length() - 1, 1) > 3.33 * self.max_digits:
         raise ToolError(f"result has more than {self.max_digits} digits")
+
+
+# --- Python in the sandbox ----------------------------------------------------
+
+def _tail(text: str, limit: int) -> str:
+  if len(text) <= limit:
+    return text
+  return f"[... {len(text) - limit} characters cut]\n" + text[-limit:]
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonTool:
+  """Runs the `code` argument in a fresh sandbox (m2jax.agents.sandbox)
+  whose working directory starts with `files`; its output is what the code
+  printed. A limit hit or a non-zero exit is a ToolError whose first line
+  says which limit or what happened, followed by the output and the end of
+  stderr (the traceback), so the model can fix its code."""
+  config: SandboxConfig = SandboxConfig()
+  files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
+  name: str = "python"
+  description: str = (
+      "Runs a Python 3 program in a fresh sandbox and returns what it "
+      "prints. The standard library is available; there is no network and "
+      "no subprocesses; files may be written in the current directory only "
+      "and are gone after the call. Print the values you need.")
+  parameters: dict = dataclasses.field(default_factory=lambda: {
+      "type": "object",
+      "properties": {"code": {"type": "string",
+                              "description": "a complete Python program"}},
+      "required": ["code"]})
+
+  def __call__(self, arguments: Mapping[str, Any]) -> str:
+    code = arguments["code"]
+    if not isinstance(code, str):
+      raise ToolError("code must be a string")
+    result = run_python(code, self.config, self.files)
+    if result.ok:
+      return result.stdout or "(no output)"
+    parts = [result.summary]
+    if result.stdout:
+      parts.append("stdout:\n" + _tail(result.stdout, 1000))
+    if result.stderr:
+      parts.append("stderr:\n" + _tail(result.stderr, 2500))
+    raise ToolError("\n".join(parts))
+
+
+# --- Files of one directory ---------------------------------------------------
+
+def _root(directory: str, tool: str) -> str:
+  if not isinstance(directory, str) or not os.path.isdir(directory):
+    raise MissingPathError(f"{tool}: root {directory!r} is not a directory")
+  return os.path.realpath(directory)
+
+
+def _inside(root: str, path: Any) -> str:
+  """The real path of `path` (relative to root); a ToolError if it is
+  absolute or leads out of root (by .. or a symlink)."""
+  if not isinstance(path, str):
+    raise ToolError("path must be a string")
+  if os.path.isabs(path):
+    raise ToolError(f"path {path!r} is absolute; give it relative to the "
+                    "files directory")
+  real = os.path.realpath(os.path.join(root, path))
+  if real != root and not real.startswith(root + os.sep):
+    raise ToolError(f"path {path!r} leads outside the files directory")
+  return real
+
+
+@dataclasses.dataclass(frozen=True)
+class ListFiles:
+  """Lists the files (with sizes) beneath `root`, or beneath a directory
+  inside it; nothing outside root is listed or reachable."""
+  root: str
+  max_entries: int = 200
+  name: str = "list_files"
+  description: str = ("Lists the task's files (path and size in bytes), "
+                      "all of them or those under a directory.")
+  parameters: dict = dataclasses.field(default_factory=lambda: {
+      "type": "object",
+      "properties": {"path": {"type": "string",
+                              "description": "a directory (default: all)"}},
+      "required": []})
+
+  def __post_init__(self):
+    object.__setattr__(self, "root", _root(self.root, "ListFiles"))
+
+  def __call__(self, arguments: Mapping[str, Any]) -> str:
+    top = _inside(self.root, arguments.get("path", "."))
+    if not os.path.isdir(top):
+      raise ToolError(f"{arguments.get('path')!r} is not a directory")
+    paths = []
+    for dirpath, _, filenames in os.walk(top):
+      for name in filenames:
+        path = os.path.join(dirpath, name)
+        real = os.path.realpath(path)
+        if real.startswith(self.root + os.sep) and os.path.isfile(real):
+          paths.append((os.path.relpath(path, self.root), real))
+        # else a link out of root, or to no file: not listed
+    paths.sort()
+    lines = [f"{rel}\t{os.path.getsize(real)}"
+             for rel, real in paths[:self.max_entries]]
+    if len(paths) > self.max_entries:
+      lines.append(f"[{len(paths) - self.max_entries} more files not listed]")
+    return "\n".join(lines) or "(no files)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadFile:
+  """Reads a text file beneath `root`, `max_bytes` at a time from a byte
+  `offset`; nothing outside root can be read."""
+  root: str
+  max_bytes: int = 3500
+  name: str = "read_file"
+  description: str = ("Reads one of the task's text files. Long files come "
+                      "in parts: pass the offset the previous part names.")
+  parameters: dict = dataclasses.field(default_factory=lambda: {
+      "type": "object",
+      "properties": {"path": {"type": "string",
+                              "description": "the file, as list_files "
+                                             "names it"},
+                     "offset": {"type": "integer",
+                                "description": "byte to start at (0)"}},
+      "required": ["path"]})
+
+  def __post_init__(self):
+    object.__setattr__(self, "root", _root(self.root, "ReadFile"))
+
+  def __call__(self, arguments: Mapping[str, Any]) -> str:
+    path = _inside(self.root, arguments["path"])
+    offset = arguments.get("offset", 0)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+      raise ToolError("offset must be an integer >= 0")
+    try:
+      # O_NOFOLLOW: the checked path must not become a link before the open.
+      fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+      raise ToolError(f"cannot read {arguments['path']!r}: "
+                      f"{e.strerror}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+      os.close(fd)
+      raise ToolError(f"{arguments['path']!r} is not a file")
+    with os.fdopen(fd, "rb") as f:
+      f.seek(offset)
+      data = f.read(self.max_bytes)
+    if b"\0" in data:
+      raise ToolError(f"{arguments['path']!r} is a binary file "
+                      f"({info.st_size} bytes)")
+    text = data.decode(errors="replace")
+    end = offset + len(data)
+    if end < info.st_size:
+      text += (f"\n[bytes {offset}-{end} of {info.st_size}; call again with "
+               f"offset={end} for more]")
+    return text
