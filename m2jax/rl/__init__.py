@@ -8,6 +8,10 @@ policy objectives and prefix-tree merging.
                   verification, one pool transaction per group
   pool.py         the data pool: trajectories in SQLite (WAL), what trained
                   on which version, rollback on resume
+  gateway.py      the OpenAI server recording black-box agents' sessions
+                  (a session header) as prefix-tree trajectories, committed
+                  to the pool when verified (python -m experiments.serve
+                  --record)
   scheduler.py    which finished rollouts the trainer takes: windowed FIFO,
                   strict FIFO, greedy; the policy-lag cap and its bound
   trainer.py      trajectories -> prefix-tree-merged rows -> the RL step

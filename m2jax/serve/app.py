@@ -25,18 +25,27 @@ a key. Every refusal is OpenAI's error shape; a client that goes away
 freed.
 
 Limits: n <= the engine's max_batch (each sample is a row of the batch);
-prompt + max_tokens <= the engine's max_seq_len; the rest in protocol.py.
+prompt + max_tokens <= the engine's max_seq_len; with `max_body_bytes`, a
+larger request body gets a 413 before it is parsed; the rest in
+protocol.py.
+
+Recording. A `Recorder` (m2jax/rl/gateway.py) sees every generation call:
+it may refuse one (an ApiError), and it is given each finished sample as
+sampled, stop string included (the end-of-turn marker RL trains on), while
+the client gets the sample cut before the stop string as without a
+recorder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping, Protocol
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -47,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from m2jax.data import chat
 from m2jax.errors import UserError
+from m2jax.infer.engine import Sample
 from m2jax.infer.sampling import SamplingParams
 from m2jax.serve import protocol as proto
 from m2jax.serve import streaming
@@ -54,6 +64,7 @@ from m2jax.serve.loop import EngineLoop, Ticket
 
 _ERRORS = {status: {"model": proto.ErrorResponse}
            for status in (400, 401, 404, 500)}
+ERROR_RESPONSES = _ERRORS   # for routes added to the app (the gateway's)
 _DISCONNECT_POLL_S = 1.0   # how often a waiting non-streamed request checks
 
 
@@ -78,6 +89,92 @@ def check_host(host: str, api_key: str | None) -> None:
                      "127.0.0.1")
 
 
+# ------------------------------------------------------------ recording --
+
+class Recording(Protocol):
+  """One admitted generation call of a recorder."""
+
+  def done(self, prompt: list[int], sample: Sample,
+           policy_version: int) -> None:
+    """A sample finished (its tokens as sampled, stop string included)."""
+
+  def close(self) -> None:
+    """The call is over, finished or not (called once or more)."""
+
+
+class Recorder(Protocol):
+  """What records the server's generation calls (m2jax/rl/gateway.py)."""
+
+  async def begin(self, headers: Mapping[str, str], *, prompts: int,
+                  n: int) -> Recording | None:
+    """Admit a call of `prompts` prompts and n samples each: its Recording,
+    None to serve it unrecorded, or raise proto.ApiError to refuse it."""
+
+
+def without_stop(sample: Sample, stops, tokenizer) -> Sample:
+  """`sample`, generated with include_stop_str_in_output, as it would be
+  without: cut before the first stop string, by the engine's own rule (the
+  shortest token prefix whose text reaches the cut, m2jax/infer/engine.py),
+  so a client sees the same tokens whether or not the call is recorded."""
+  if sample.finish_reason != "stop" or not stops or tokenizer is None:
+    return sample
+
+  def text(ids) -> str:
+    return tokenizer.decode(np.asarray(ids, np.int64))
+
+  found = [i for i in (text(sample.tokens).find(s) for s in stops) if i >= 0]
+  if not found:                 # stopped by a stop token
+    return sample
+  cut = min(found)
+  n = next(n for n in range(len(sample.tokens) + 1)
+           if len(text(sample.tokens[:n])) >= cut)
+  return sample._replace(tokens=list(sample.tokens[:n]),
+                         logprobs=list(sample.logprobs[:n]))
+
+
+class _BodyLimit:
+  """ASGI middleware: a body over `limit` bytes gets a 413 (OpenAI's error
+  shape) before anything parses it. The body is read here, so a chunked
+  request without Content-Length is bounded too, then handed on whole."""
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    declared = dict(scope["headers"]).get(b"content-length")
+    if declared is not None:
+      if not declared.isdigit():
+        return await self._refuse(scope, receive, send, 400,
+                                  "Content-Length is not a number")
+      if int(declared) > self.limit:
+        return await self._refuse(scope, receive, send, 413, None)
+    chunks, size, more = [], 0, True
+    while more:
+      message = await receive()
+      if message["type"] != "http.request":  # the client went away
+        return None
+      chunks.append(message.get("body", b""))
+      size += len(chunks[-1])
+      if size > self.limit:
+        return await self._refuse(scope, receive, send, 413, None)
+      more = message.get("more_body", False)
+    body = [{"type": "http.request", "body": b"".join(chunks),
+             "more_body": False}]
+
+    async def replay():
+      # The body once, then the connection's own messages (a disconnect).
+      return body.pop() if body else await receive()
+    return await self.app(scope, replay, send)
+
+  async def _refuse(self, scope, receive, send, status, message):
+    err = proto.ApiError(status, message or f"the request body exceeds "
+                         f"{self.limit} bytes", None,
+                         "request_too_large" if status == 413 else None)
+    await JSONResponse(err.body(), status_code=status)(scope, receive, send)
+
+
 # ------------------------------------------------------------ one run --
 
 class _Run:
@@ -85,8 +182,11 @@ class _Run:
   results as they arrive."""
 
   def __init__(self, loop: EngineLoop, prompts: list[list[int]],
-               params: SamplingParams):
+               params: SamplingParams, recording: Recording | None = None):
+    if recording is not None:   # it gets the stop string; the client not
+      params = dataclasses.replace(params, include_stop_str_in_output=True)
     self.loop, self.prompts, self.params = loop, prompts, params
+    self.recording = recording
     self.queue: asyncio.Queue = asyncio.Queue()
     aio = asyncio.get_running_loop()
     self.tickets = [Ticket(p, params, aio, self.queue, tag=i)
@@ -132,11 +232,17 @@ class _Run:
       tag, kind = item[0], item[1]
       if kind == "error":
         self.closed = True
+        self._release()
         raise proto.ApiError(item[2], item[3], item[4])
       if kind == "done":
         self.left -= 1
+        if self.recording is not None:
+          self.recording.done(self.prompts[tag], item[3], self.version)
+          item = item[:3] + (without_stop(item[3], self.params.stop,
+                                          self.loop.tokenizer),)
       yield (kind, tag) + item[2:]
     self.closed = True
+    self._release()
 
   def abort(self) -> None:
     """Stop every unfinished engine request (idempotent)."""
@@ -144,6 +250,11 @@ class _Run:
       self.closed = True
       for t in self.tickets:
         self.loop.abort(t)
+    self._release()
+
+  def _release(self) -> None:
+    if self.recording is not None:
+      self.recording.close()
 
 
 class _Stream(StreamingResponse):
@@ -168,10 +279,14 @@ def _sse(obj) -> str:
 # ------------------------------------------------------------- the app --
 
 def create_app(loop: EngineLoop, *, model_name: str,
-               api_key: str | None = None) -> FastAPI:
-  """The FastAPI app serving `loop`'s engine as `model_name`."""
+               api_key: str | None = None, recorder: Recorder | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
+  """The FastAPI app serving `loop`'s engine as `model_name` (recording
+  through `recorder`, bodies at most `max_body_bytes`: module docstring)."""
   app = FastAPI(title="m2jax", version="0.1.0", docs_url=None,
                 redoc_url=None)
+  if max_body_bytes is not None:
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
   tokenizer = loop.tokenizer
   vocab = loop.engine.model_config.vocab_size
   created = int(time.time())
@@ -259,6 +374,12 @@ def create_app(loop: EngineLoop, *, model_name: str,
     except UserError as e:
       raise proto.ApiError(400, str(e)) from None
 
+  async def begin(request: Request, prompts, params) -> Recording | None:
+    if recorder is None:
+      return None
+    return await recorder.begin(request.headers, prompts=len(prompts),
+                                n=params.n)
+
   def decode(ids) -> str:
     if tokenizer is None:
       return ""
@@ -303,7 +424,7 @@ def create_app(loop: EngineLoop, *, model_name: str,
     check_model(req.model)
     prompts = _prompt_ids(req.prompt, encode, vocab)
     params = sampling(req, prompts, req.max_tokens)
-    run = _Run(loop, prompts, params)
+    run = _Run(loop, prompts, params, await begin(request, prompts, params))
     await run.start()
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}
@@ -404,7 +525,8 @@ def create_app(loop: EngineLoop, *, model_name: str,
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens
                   is not None else req.max_tokens)
     params = sampling(req, [prompt], max_tokens, (chat.END_OF_TURN,))
-    run = _Run(loop, [prompt], params)
+    run = _Run(loop, [prompt], params, await begin(request, [prompt],
+                                                   params))
     await run.start()
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": int(time.time()), "model": model_name}
@@ -550,10 +672,11 @@ def _prompt_ids(prompt, encode, vocab: int) -> list[list[int]]:
 
 def serve(loop: EngineLoop, *, model_name: str, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", max_body_bytes: int | None = None) -> None:
   """Serve until interrupted (the engine loop must be started)."""
   # pylint: disable=import-outside-toplevel
   import uvicorn
   check_host(host, api_key)
-  app = create_app(loop, model_name=model_name, api_key=api_key)
+  app = create_app(loop, model_name=model_name, api_key=api_key,
+                   max_body_bytes=max_body_bytes)
   uvicorn.run(app, host=host, port=port, log_level=log_level)
