@@ -34,6 +34,7 @@ from m2jax.config import ConfigError, ModelConfig, config_from_dict, \
 from m2jax.infer.engine import EngineConfig
 from m2jax.rl import envs
 from m2jax.rl import loop
+from m2jax.rl import rewards as rewards_lib
 from m2jax.rl import rollout as rollout_lib
 from m2jax.rl import scheduler as sched_lib
 from m2jax.rl import step as rl_step
@@ -59,6 +60,13 @@ flags.DEFINE_float("latency_scale", 0.0, "Wall seconds per simulated "
 flags.DEFINE_enum("algo", "cispo", list(rl_step.ALGORITHMS), "Policy loss: "
                   "CISPO, or the GRPO (PPO-clip) and DAPO baselines.")
 flags.DEFINE_float("kl_coef", 0.0, "KL to the warm-start policy (0: off).")
+flags.DEFINE_float("reward_alpha", 1.0, "Weight of the per-step process "
+                   "reward (m2jax/rl/rewards.py).")
+flags.DEFINE_float("reward_beta", 0.0, "Weight of the speed reward "
+                   "h(T_completion / T_baseline) (0: off).")
+flags.DEFINE_float("reward_gamma", 1.0, "Discount of the reward-to-go.")
+flags.DEFINE_float("speed_min", -1.0, "Lower clip of the speed reward.")
+flags.DEFINE_float("speed_max", 1.0, "Upper clip of the speed reward.")
 flags.DEFINE_enum("mode", "sync", list(loop.MODES), "sync: generate, then "
                   "train; async: rollouts and training overlap.")
 flags.DEFINE_enum("schedule", "windowed", list(sched_lib.POLICIES),
@@ -122,6 +130,9 @@ TRAINER_FLAGS = {"row_len": "row_len", "minibatches": "minibatches",
                  "rows_per_micro_batch": "rows_per_micro_batch",
                  "merge": "merge"}
 RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef"}
+REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
+                "reward_gamma": "gamma", "speed_min": "speed_min",
+                "speed_max": "speed_max"}
 TRAIN_FLAGS = {"learning_rate": "learning_rate",
                "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
                "decay_fraction": "decay_fraction",
@@ -178,8 +189,12 @@ def _fresh_configs(mcfg: ModelConfig):
       merge=FLAGS.merge, minibatches=FLAGS.minibatches)
   schedule = sched_lib.ScheduleConfig(
       policy=FLAGS.schedule, window=FLAGS.window, max_lag=FLAGS.max_lag)
+  rewards = rewards_lib.RewardConfig(
+      alpha=FLAGS.reward_alpha, beta=FLAGS.reward_beta,
+      gamma=FLAGS.reward_gamma, speed_min=FLAGS.speed_min,
+      speed_max=FLAGS.speed_max)
   return dict(model=mcfg, train=train, rl=rl, run=run, rollout=rollout,
-              trainer=trainer, schedule=schedule)
+              trainer=trainer, schedule=schedule, rewards=rewards)
 
 
 # Each saved config, its class and the flags that set its fields.
@@ -188,7 +203,8 @@ RESUMED = {"run": (loop.RLRunConfig, RUN_FLAGS),
            "rl": (rl_step.RLConfig, RL_FLAGS),
            "rollout": (rollout_lib.RolloutConfig, ROLLOUT_FLAGS),
            "trainer": (trainer_lib.TrainerConfig, TRAINER_FLAGS),
-           "schedule": (sched_lib.ScheduleConfig, SCHEDULE_FLAGS)}
+           "schedule": (sched_lib.ScheduleConfig, SCHEDULE_FLAGS),
+           "rewards": (rewards_lib.RewardConfig, REWARD_FLAGS)}
 
 
 def _resumed_configs(workdir: str):
@@ -199,7 +215,8 @@ def _resumed_configs(workdir: str):
   with open(path, encoding="utf-8") as f:
     saved = json.load(f)
   out = {name: resume.resumed_config(
-      cls, saved[name], train_flags.given(table),
+      # A run saved before it had a config of this name used its defaults.
+      cls, saved.get(name, {}), train_flags.given(table),
       may_change=loop.RESUMABLE_RUN_FIELDS if name == "run" else frozenset())
          for name, (cls, table) in RESUMED.items()}
   out["model"] = config_from_dict(ModelConfig, saved["model"])
@@ -229,7 +246,7 @@ def main(argv):
       mcfg, configs["train"], configs["run"], FLAGS.workdir,
       rl_config=configs["rl"], rollout_config=configs["rollout"],
       trainer_config=configs["trainer"], schedule_config=configs["schedule"],
-      engine_config=engine, resume=FLAGS.resume, init=init, mesh=mesh)
+      reward_config=configs["rewards"], engine_config=engine, resume=FLAGS.resume, init=init, mesh=mesh)
   summary["workdir"] = FLAGS.workdir
   print(json.dumps(summary, indent=2, default=str))
 

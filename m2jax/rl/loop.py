@@ -39,7 +39,11 @@ is generated: no trained trajectory is trained again, no verified one is
 lost. Tasks and sampling seeds are functions of the run seed and the queue
 position, so in sync mode a resumed run reproduces the uninterrupted one.
 
-metrics.jsonl keys: step, reward_mean, reward_std, accuracy, policy_lag,
+metrics.jsonl keys: step, reward_mean, reward_std (the outcome reward of the
+trained samples), return_mean (their composite return G_0, m2jax/rl/rewards.py),
+reward_generated_mean (the outcome reward of every sample the step read,
+those DAPO discarded included: the number to compare across algorithms),
+accuracy, policy_lag,
 policy_lag_max, samples_per_sec, trainer_idle_fraction, clip_fraction,
 entropy, loss, difficulty_mean, rollouts (samples generated so far, the
 pool's finished count), and eval_reward (greedy, held-out tasks)
@@ -68,6 +72,7 @@ from m2jax.infer.sampling import SamplingParams
 from m2jax.rl import envs
 from m2jax.rl import objectives
 from m2jax.rl import pool as pool_lib
+from m2jax.rl import rewards as rewards_lib
 from m2jax.rl import rollout as rollout_lib
 from m2jax.rl import scheduler as sched_lib
 from m2jax.rl import step as rl_step
@@ -259,13 +264,15 @@ class _Run:
   """The state of one run (see `run`)."""
 
   def __init__(self, mcfg, tcfg, rl_config, run, rollout_config,
-               trainer_config, schedule_config, engine_config, workdir, *,
-               resume, init, progress, mesh):
+               trainer_config, schedule_config, engine_config, reward_config,
+               workdir, *, resume, init, progress, mesh):
     self.rl_config, self.run, self.progress = rl_config, run, progress
     self.rollout_config, self.workdir = rollout_config, workdir
     self.configs = {"model": mcfg, "train": tcfg, "rl": rl_config,
                     "run": run, "rollout": rollout_config,
-                    "trainer": trainer_config, "schedule": schedule_config}
+                    "trainer": trainer_config, "schedule": schedule_config,
+                    "rewards": reward_config}
+    self.reward_config = reward_config
     tcfg.check_model(mcfg)
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
@@ -297,7 +304,8 @@ class _Run:
     self.pool = pool_lib.Pool(pool_path)
     self.pool.rollback(self.step)
     self.trainer = trainer_lib.Trainer(mcfg, tcfg, rl_config, trainer_config,
-                                       state, mesh=mesh)
+                                       state, mesh=mesh,
+                                       rewards=reward_config)
     self.engine = Engine(mcfg, self.trainer.snapshot(), engine_config,
                          tokenizer=self.tokenizer, mesh=mesh)
     # The verified groups no surviving step trained: first in the queue.
@@ -368,8 +376,10 @@ class _Run:
     self._tried += [t.reward for t in trajs]
     if not self.rl_config.dynamic_sampling:
       return trajs, []
+    # Signal is judged on the composite return the advantages come from:
+    # equal outcomes may still differ in process or speed rewards.
     kept = objectives.dynamic_sampling(
-        np.asarray([t.reward for t in trajs]),
+        rewards_lib.returns(trajs, self.reward_config),
         np.asarray([t.group_id for t in trajs]))
     dropped = [t.trajectory_id for t, keep in zip(trajs, kept.keep)
                if not keep]
@@ -391,6 +401,8 @@ class _Run:
     elapsed = time.time() - started
     return {
         "reward_mean": rewards.mean(), "reward_std": rewards.std(),
+        "return_mean": rewards_lib.returns(trajs, self.reward_config).mean(),
+        "reward_generated_mean": np.mean(self._tried),
         "accuracy": np.mean([t.verification.get("correct", False)
                              for t in trajs]),
         "policy_lag": np.mean(lags), "policy_lag_max": max(lags),
@@ -412,7 +424,7 @@ class _Run:
     self.step += 1
     rewards = np.asarray(self._tried)
     return {"reward_mean": rewards.mean(), "reward_std": rewards.std(),
-            "samples": 0, "groups_tried": tried, "skipped": 1,
+            "reward_generated_mean": rewards.mean(), "samples": 0, "groups_tried": tried, "skipped": 1,
             "policy_lag": 0.0, "policy_lag_max": 0,
             "samples_per_sec": 0.0, "trainer_idle_fraction": 0.0,
             "clip_fraction": np.nan, "entropy": np.nan, "loss": np.nan,
@@ -576,6 +588,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
         schedule_config: sched_lib.ScheduleConfig = (
             sched_lib.ScheduleConfig()),
         engine_config: EngineConfig = EngineConfig(),
+        reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
         resume: bool = False, init: sft.Init | None = None,
         stop_after: int | None = None, progress: bool = True,
         mesh=None) -> dict:
@@ -584,8 +597,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
   with eval_tasks)}. `stop_after` ends early at that step
   (with a checkpoint), as if killed right after it."""
   r = _Run(model_config, train_config, rl_config, run_config, rollout_config,
-           trainer_config, schedule_config, engine_config, workdir,
-           resume=resume, init=init, progress=progress, mesh=mesh)
+           trainer_config, schedule_config, engine_config, reward_config,
+           workdir, resume=resume, init=init, progress=progress, mesh=mesh)
   try:
     if run_config.mode == "sync":
       r.sync(stop_after)
