@@ -277,6 +277,12 @@ def test_audit_replay_and_discard(tmp_path):
                    "Pool.training_of: unknown trajectory 't9'")
     one_line_error(lambda: p.get(["t0", "t9"]),
                    "Pool.get: unknown trajectory 't9'")
+    # Stored already discarded, in the add's transaction; never reversed.
+    p.add(small(6), discard_reason="session timed out")
+    p.rollback(after_step=-1)
+    assert "t6" not in p.untrained_ids()
+    (event,) = p.history("t6")
+    assert (event.kind, event.reason) == ("discarded", "session timed out")
 
 
 def test_mark_trained_refuses_and_marks_nothing(tmp_path):

@@ -575,11 +575,10 @@ class Gateway:
                     if o.info.queue_seq is not None]
           seq = max([self._next_seq, self.pool.next_queue_seq()] + held)
           self._next_seq = seq + 1
-        self.pool.add(dataclasses.replace(trajectory, queue_seq=seq))
-      if discard is not None:
-        # Not atomic with the add (Pool has no add-and-discard, as
-        # rollout's cancel): a crash between the two leaves it untrained.
-        self.pool.discard([trajectory.trajectory_id], reason=discard)
+        # Stored and discarded in one transaction: a crash cannot leave a
+        # session nobody verified waiting to be trained.
+        self.pool.add(dataclasses.replace(trajectory, queue_seq=seq),
+                      discard_reason=discard)
     except Exception as e:  # pylint: disable=broad-except
       log.exception("session %r was not stored", info.session_id)
       return Outcome(info.session_id, "failed", None, None,

@@ -384,17 +384,24 @@ class Pool:
 
   # --- Writes ----------------------------------------------------------------
 
-  def add(self, trajectory: Trajectory) -> None:
+  def add(self, trajectory: Trajectory, *,
+          discard_reason: str | None = None) -> None:
     """Store a trajectory with all its steps in one transaction. Returns
     once it is durable (acknowledged); a duplicate id or queue_seq is
-    refused and nothing is written."""
-    self.add_many([trajectory], what="Pool.add")
+    refused and nothing is written. With `discard_reason` it is stored
+    already discarded (never reversed), in the same transaction: kept for
+    the audit, never trained, and no crash can leave it untrained."""
+    self.add_many([trajectory], what="Pool.add",
+                  discard_reason=discard_reason)
 
   def add_many(self, trajectories: Iterable[Trajectory], *,
-               what: str = "Pool.add_many") -> None:
+               what: str = "Pool.add_many",
+               discard_reason: str | None = None) -> None:
     """Store several trajectories (a GRPO group) in one transaction: all of
     them or none, as `add` stores one."""
     trajectories = list(trajectories)
+    if discard_reason is not None:
+      discard_reason = _str(f"{what}: discard_reason", discard_reason)
     for t in trajectories:
       if not isinstance(t, Trajectory):
         raise PoolError(f"{what}: {type(t).__name__}, expected a "
@@ -428,6 +435,10 @@ class Pool:
              s.action.astype(_TOKENS).tobytes(),
              s.logprobs.astype(_LOGPROBS).tobytes(), s.policy_version,
              s.reward) for i, s in enumerate(t.steps)])
+      if discard_reason is not None:
+        db.executemany("INSERT INTO discards VALUES (?, ?, NULL, ?, NULL)",
+                       [(t.trajectory_id, discard_reason, now)
+                        for t in trajectories])
 
   def mark_trained(self, ids: Iterable[str], *, train_step: int,
                    policy_version: int) -> None:

@@ -193,11 +193,12 @@ class Rollout:
     while self._waiting and self._waiting[0][0] <= now:
       _, _, group = heapq.heappop(self._waiting)
       trajectories = self._trajectories(group)
-      self.pool.add_many(trajectories)
-      if group.group_id in self.cancelled:
+      stale = group.group_id in self.cancelled
+      # A cancelled group is stored already discarded, in one transaction.
+      self.pool.add_many(trajectories, discard_reason=(
+          "stale: past max_lag before it finished" if stale else None))
+      if stale:
         self.cancelled.discard(group.group_id)
-        self.pool.discard([t.trajectory_id for t in trajectories],
-                          reason="stale: past max_lag before it finished")
       else:
         done.append(group.group_id)
     return done
