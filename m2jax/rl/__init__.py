@@ -6,13 +6,15 @@ policy objectives and prefix-tree merging.
                   (python -m experiments.rl)
   rollout.py      the engine's GRPO groups, simulated environment latency,
                   verification, one pool transaction per group
+  agent_rollout.py  the same for tool tasks: groups of white-box agent
+                  episodes, one pool step per model call
   pool.py         the data pool: trajectories in SQLite (WAL), what trained
                   on which version, rollback on resume
   scheduler.py    which finished rollouts the trainer takes: windowed FIFO,
                   strict FIFO, greedy; the policy-lag cap and its bound
   trainer.py      trajectories -> prefix-tree-merged rows -> the RL step
   envs/           environments with verifiers, demonstrations and latency
-                  models: arithmetic, sorting
+                  models: arithmetic, sorting, multiply (a tool task)
   cispo.py        the CISPO policy loss (the default objective)
   objectives.py   token weights (per group, per sequence, per batch),
                   group-relative advantages, the PPO-clip baselines GRPO
