@@ -4,6 +4,8 @@ r"""Forge RL on a verifiable environment: warm start, rollouts, training.
   python -m experiments.rl --workdir=runs/rl --resume          # continue
   python -m experiments.rl --preset=tiny --env=sorting --algo=dapo \
       --mode=async --schedule=windowed --latency_scale=0.01 --steps=200
+  python -m experiments.rl --preset=tiny --env=multiply --agent=whitebox \
+      --max_new_tokens=160 --row_len=1024 --warm_start_seq_len=768
 
 A run first fine-tunes the model on the environment's generated
 demonstrations (--warm_start_steps of SFT, m2jax.train.sft, in
@@ -18,8 +20,14 @@ trained on it), checkpoints/, metrics.jsonl and tensorboard/
 the run's value; --steps, --max_rollouts and the cadence flags may change;
 any other flag given that contradicts the run is refused, naming the field.
 A killed run resumes from its newest checkpoint with its pool intact, and
-trains no trajectory twice. All logic is in m2jax.rl; this file turns flags
-into configs.
+trains no trajectory twice.
+
+--agent=whitebox runs a multi-step env (a tool task: --env=multiply) with
+the white-box agent (m2jax/agents/whitebox.py): every sample an episode of
+up to --max_turns model calls with tool calls, each call one training step;
+--max_new_tokens is per call. An agent with a single-turn env, or a
+multi-step env without one, is refused. All logic is in m2jax.rl; this
+file turns flags into configs.
 """
 
 import dataclasses
@@ -29,6 +37,7 @@ import os
 from absl import flags, logging
 
 from experiments import cli, run_flags, train_flags
+from m2jax.agents import whitebox
 from m2jax.config import ConfigError, ModelConfig, config_from_dict, \
     get_preset
 from m2jax.infer.engine import EngineConfig
@@ -54,6 +63,17 @@ flags.DEFINE_enum("env", "arithmetic", sorted(envs.ENVS), "Environment.")
 flags.DEFINE_string("env_config", "", "Environment fields as "
                     "FIELD=VALUE;FIELD=VALUE, lists comma-separated, e.g. "
                     "'levels=1,2;ops=+' (m2jax/rl/envs says the fields).")
+flags.DEFINE_enum("agent", "none", list(loop.AGENTS), "whitebox: run a "
+                  "multi-step (tool) env with the white-box agent; none: a "
+                  "single-turn env.")
+flags.DEFINE_integer("max_turns", whitebox.AgentConfig.max_turns,
+                     "Agent: model calls per episode at most.")
+flags.DEFINE_integer("keep_last_turns", whitebox.AgentConfig.keep_last_turns,
+                     "Agent: turns kept in the context (0: all).")
+flags.DEFINE_bool("summarise", whitebox.AgentConfig.summarise, "Agent: offer "
+                  "the summarise tool, whose summary replaces older turns.")
+flags.DEFINE_integer("max_context_tokens", None, "Agent: the longest prompt "
+                     "(default: --row_len minus --max_new_tokens).")
 flags.DEFINE_float("latency_scale", 0.0, "Wall seconds per simulated "
                    "environment second (0: the environment answers at once).")
 # The algorithm.
@@ -108,17 +128,20 @@ flags.DEFINE_integer("eval_every", 10, "Steps between greedy evals on "
                      "held-out tasks (0: none).")
 flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks per eval.")
 flags.DEFINE_integer("checkpoint_every", 10, "Steps between checkpoints.")
+flags.DEFINE_integer("warm_start_seq_len", loop.RLRunConfig.warm_start_seq_len,
+                     "Tokens per SFT row (a demonstration must fit one).")
 flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")
 
 run_flags.define()  # --mesh, the Settings flags, multi-host
 
 # {flag: field} per config, for --resume.
-RUN_FLAGS = {"env": "env", "mode": "mode", "steps": "steps",
+RUN_FLAGS = {"env": "env", "agent": "agent", "mode": "mode", "steps": "steps",
              "max_rollouts": "max_rollouts",
              "groups_per_step": "groups_per_step",
              "max_in_flight": "max_in_flight",
              "warm_start_steps": "warm_start_steps",
              "warm_start_learning_rate": "warm_start_learning_rate",
+             "warm_start_seq_len": "warm_start_seq_len",
              "eval_every": "eval_every", "eval_tasks": "eval_tasks",
              "checkpoint_every": "checkpoint_every", "seed": "seed"}
 ROLLOUT_FLAGS = {"group_size": "group_size", "temperature": "temperature",
@@ -133,6 +156,9 @@ RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef"}
 REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
                 "reward_gamma": "gamma", "speed_min": "speed_min",
                 "speed_max": "speed_max"}
+AGENT_FLAGS = {"max_turns": "max_turns", "keep_last_turns": "keep_last_turns",
+               "summarise": "summarise",
+               "max_context_tokens": "max_context_tokens"}
 TRAIN_FLAGS = {"learning_rate": "learning_rate",
                "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
                "decay_fraction": "decay_fraction",
@@ -174,11 +200,13 @@ def _fresh_configs(mcfg: ModelConfig):
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
                         mtp_depth=mcfg.num_mtp_modules)
   run = loop.RLRunConfig(
-      env=FLAGS.env, env_fields=_env_fields(), mode=FLAGS.mode, steps=steps,
-      max_rollouts=FLAGS.max_rollouts, groups_per_step=FLAGS.groups_per_step,
+      env=FLAGS.env, env_fields=_env_fields(), agent=FLAGS.agent,
+      mode=FLAGS.mode, steps=steps, max_rollouts=FLAGS.max_rollouts,
+      groups_per_step=FLAGS.groups_per_step,
       max_in_flight=FLAGS.max_in_flight,
       warm_start_steps=FLAGS.warm_start_steps,
       warm_start_learning_rate=FLAGS.warm_start_learning_rate,
+      warm_start_seq_len=FLAGS.warm_start_seq_len,
       eval_every=FLAGS.eval_every, eval_tasks=FLAGS.eval_tasks,
       checkpoint_every=FLAGS.checkpoint_every, seed=FLAGS.seed)
   rollout = rollout_lib.RolloutConfig(
@@ -193,8 +221,15 @@ def _fresh_configs(mcfg: ModelConfig):
       alpha=FLAGS.reward_alpha, beta=FLAGS.reward_beta,
       gamma=FLAGS.reward_gamma, speed_min=FLAGS.speed_min,
       speed_max=FLAGS.speed_max)
+  context = FLAGS.max_context_tokens or (
+      FLAGS.row_len - FLAGS.max_new_tokens if FLAGS.agent != "none"
+      else whitebox.AgentConfig.max_context_tokens)
+  agent = whitebox.AgentConfig(
+      max_turns=FLAGS.max_turns, keep_last_turns=FLAGS.keep_last_turns,
+      summarise=FLAGS.summarise, max_context_tokens=context)
   return dict(model=mcfg, train=train, rl=rl, run=run, rollout=rollout,
-              trainer=trainer, schedule=schedule, rewards=rewards)
+              trainer=trainer, schedule=schedule, agent=agent,
+              rewards=rewards)
 
 
 # Each saved config, its class and the flags that set its fields.
@@ -204,7 +239,8 @@ RESUMED = {"run": (loop.RLRunConfig, RUN_FLAGS),
            "rollout": (rollout_lib.RolloutConfig, ROLLOUT_FLAGS),
            "trainer": (trainer_lib.TrainerConfig, TRAINER_FLAGS),
            "schedule": (sched_lib.ScheduleConfig, SCHEDULE_FLAGS),
-           "rewards": (rewards_lib.RewardConfig, REWARD_FLAGS)}
+           "rewards": (rewards_lib.RewardConfig, REWARD_FLAGS),
+           "agent": (whitebox.AgentConfig, AGENT_FLAGS)}
 
 
 def _resumed_configs(workdir: str):
@@ -246,7 +282,9 @@ def main(argv):
       mcfg, configs["train"], configs["run"], FLAGS.workdir,
       rl_config=configs["rl"], rollout_config=configs["rollout"],
       trainer_config=configs["trainer"], schedule_config=configs["schedule"],
-      reward_config=configs["rewards"], engine_config=engine, resume=FLAGS.resume, init=init, mesh=mesh)
+      reward_config=configs["rewards"], engine_config=engine,
+      agent_config=configs["agent"], resume=FLAGS.resume, init=init,
+      mesh=mesh)
   summary["workdir"] = FLAGS.workdir
   print(json.dumps(summary, indent=2, default=str))
 

@@ -218,4 +218,4 @@ def test_configs_are_frozen_and_hashable():
   assert hash(env) == hash(Arithmetic(levels=(1, 2), mix=(1, 1)))
   with pytest.raises(dataclasses.FrozenInstanceError):
     env.levels = (3,)
-  assert set(envs.ENVS) == {"arithmetic", "sorting"}
+  assert set(envs.ENVS) == {"arithmetic", "sorting", "multiply"}

@@ -7,4 +7,7 @@ black-box agents' gateway records.
                text or raises a ToolError
   sandbox.py   running untrusted Python in a confined subprocess (kernel
                namespaces, landlock, seccomp, rlimits, an audit hook)
+  whitebox.py  the white-box agent loop: context management (keep the
+               last N turns, summarise), tool calls, interleaved thinking;
+               every model call recorded as a training step
 """

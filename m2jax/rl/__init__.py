@@ -6,6 +6,8 @@ policy objectives and prefix-tree merging.
                   (python -m experiments.rl)
   rollout.py      the engine's GRPO groups, simulated environment latency,
                   verification, one pool transaction per group
+  agent_rollout.py  the same for tool tasks: groups of white-box agent
+                  episodes, one pool step per model call
   pool.py         the data pool: trajectories in SQLite (WAL), what trained
                   on which version, rollback on resume
   gateway.py      the OpenAI server recording black-box agents' sessions
@@ -18,7 +20,7 @@ policy objectives and prefix-tree merging.
   rewards.py      the composite reward (process, speed, outcome), its
                   reward-to-go and per-step group-relative advantages
   envs/           environments with verifiers, demonstrations and latency
-                  models: arithmetic, sorting
+                  models: arithmetic, sorting, multiply (a tool task)
   cispo.py        the CISPO policy loss (the default objective)
   objectives.py   token weights (per group, per sequence, per batch),
                   group-relative advantages, the PPO-clip baselines GRPO

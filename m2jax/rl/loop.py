@@ -4,6 +4,16 @@ checkpoints and exact resume (SPEC §3).
   summary = run(model_config, train_config, RLRunConfig(env="arithmetic"),
                 workdir="runs/rl")
 
+Agents. A single-turn env (arithmetic, sorting) is one completion per
+sample (m2jax/rl/rollout.py). A multi-step env (a tool task,
+m2jax/rl/envs/tool_tasks.py) runs with `agent="whitebox"`: each sample is
+an episode of the white-box agent (m2jax/agents/whitebox.py, configured
+by `agent_config`) whose every model call is one step of a multi-step
+trajectory (m2jax/rl/agent_rollout.py); its warm start trains on whole
+solved conversations, tool calls and results included, and its eval runs
+greedy episodes. The two rollouts share one interface, so the modes, the
+scheduler and resume are the same.
+
 One run directory holds everything:
 
   config.json          every config of the run (a resume must match it)
@@ -63,12 +73,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from m2jax import model
+from m2jax.agents import whitebox
 from m2jax.config import ModelConfig, config_to_dict
 from m2jax.data import ByteTokenizer, chat
 from m2jax.data.chat_data import ChatData
 from m2jax.errors import UserError
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
+from m2jax.rl import agent_rollout
 from m2jax.rl import envs
 from m2jax.rl import objectives
 from m2jax.rl import pool as pool_lib
@@ -84,6 +96,7 @@ from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import MetricsWriter
 
 MODES = ("sync", "async")
+AGENTS = ("none", "whitebox")   # none: single-turn envs
 CONFIG_FILE = "config.json"
 POOL_FILE = "pool.sqlite"
 WARM_START_DIR = "warm_start"
@@ -94,6 +107,8 @@ class RLRunConfig:
   """What the run does (the model, optimizer and loss have their own).
 
   env: an environment of m2jax.rl.envs (env_fields: its config fields).
+  agent: "whitebox" for a multi-step env (tool tasks), "none" for a
+    single-turn one (each refuses the other kind).
   mode: "sync" or "async" (module docstring).
   steps: policy updates.
   max_rollouts: a rollout budget (0: none): the run ends after the step at
@@ -116,6 +131,7 @@ class RLRunConfig:
   """
   env: str = "arithmetic"
   env_fields: tuple[tuple[str, object], ...] = ()
+  agent: str = "none"
   mode: str = "sync"
   steps: int = 100
   max_rollouts: int = 0
@@ -139,6 +155,17 @@ class RLRunConfig:
                       f"{getattr(self, field)!r})")
     if self.mode not in MODES:
       fail("mode", f"must be one of {MODES}")
+    if self.agent not in AGENTS:
+      fail("agent", f"must be one of {AGENTS}")
+    if self.env in envs.ENVS:
+      multi = envs.multi_step(self.env)
+      if multi and self.agent == "none":
+        fail("agent", f"env {self.env!r} is solved with tool calls: run "
+             "it with an agent ('whitebox')")
+      if not multi and self.agent != "none":
+        fail("agent", f"env {self.env!r} is single-turn; the {self.agent} "
+             "agent runs multi-step tool envs ("
+             f"{', '.join(n for n in envs.ENVS if envs.multi_step(n))})")
     for field in ("steps", "groups_per_step", "dynamic_sampling_rounds",
                   "keep_checkpoints"):
       if getattr(self, field) < 1:
@@ -199,12 +226,25 @@ class _Group(NamedTuple):
 # ---------------------------------------------------------------- warm start
 
 
-def demonstration_data(env, tokenizer, run: RLRunConfig) -> ChatData:
+def demonstration_data(env, tokenizer, run: RLRunConfig,
+                       agent: whitebox.Agent | None = None) -> ChatData:
   """The warm start's SFT data: `run.demonstrations` generated tasks with
-  correct answers (1/16 of them held out), chat-formatted."""
+  correct answers (1/16 of them held out), chat-formatted; with an agent,
+  whole solved conversations with the agent's tools, which must fit
+  warm_start_seq_len (a cut one would not teach its last turns)."""
   rng = np.random.default_rng([run.seed, 3])
-  convs = [rollout_lib.demonstration(env, env.sample(rng))
-           for _ in range(run.demonstrations)]
+  if agent is None:
+    convs = [rollout_lib.demonstration(env, env.sample(rng))
+             for _ in range(run.demonstrations)]
+  else:
+    convs = [agent_rollout.demonstration(env, agent, env.sample(rng))
+             for _ in range(run.demonstrations)]
+    longest = max(len(chat.render(c["messages"], tokenizer,
+                                  tools=c["tools"])[0]) for c in convs)
+    if longest > run.warm_start_seq_len:
+      raise UserError(f"RLRunConfig.warm_start_seq_len: {run.env}'s "
+                      f"demonstrations run to {longest} tokens, more than "
+                      f"{run.warm_start_seq_len} (raise it)")
   held = max(1, len(convs) // 16)
   config = sft.chat_data_config(
       tokenizer, source=f"demonstrations:{run.env}",
@@ -216,10 +256,12 @@ def demonstration_data(env, tokenizer, run: RLRunConfig) -> ChatData:
 
 def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
                tokenizer, run: RLRunConfig, workdir: str, *,
-               init: sft.Init | None = None, progress: bool = True) -> dict:
+               init: sft.Init | None = None, progress: bool = True,
+               agent: whitebox.Agent | None = None) -> dict:
   """The variables RL starts from: `init`'s (default: a fresh init) after
   `run.warm_start_steps` SFT steps on demonstrations in workdir/warm_start
-  (resumed if a previous call got part of the way)."""
+  (resumed if a previous call got part of the way); `agent` for a
+  multi-step env."""
   if init is None:
     variables = model.init(model_config, jax.random.key(run.seed))
     init = sft.Init(model_config, variables, tokenizer,
@@ -232,7 +274,7 @@ def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
       steps=steps, learning_rate=run.warm_start_learning_rate,
       warmup_steps=min(train_config.warmup_steps, steps // 10),
       checkpoint_every=steps, eval_every=steps, log_every=max(1, steps // 10))
-  data = demonstration_data(env, tokenizer, run)
+  data = demonstration_data(env, tokenizer, run, agent)
   resume = os.path.isdir(os.path.join(directory, "checkpoints"))
   summary = sft.finetune(model_config, tcfg, data, directory,
                          init=None if resume else init, resume=resume,
@@ -244,10 +286,14 @@ def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
 
 
 def evaluate(engine: Engine, env, tokenizer, run: RLRunConfig,
-             max_new_tokens: int) -> float:
-  """Mean greedy reward on `run.eval_tasks` fixed held-out tasks."""
+             max_new_tokens: int, agent: whitebox.Agent | None = None
+             ) -> float:
+  """Mean greedy reward on `run.eval_tasks` fixed held-out tasks (greedy
+  agent episodes with an agent)."""
   rng = np.random.default_rng([run.seed, 4])
   tasks = [env.sample(rng) for _ in range(run.eval_tasks)]
+  if agent is not None:
+    return agent_rollout.evaluate(engine, env, agent, tasks, max_new_tokens)
   params = SamplingParams(temperature=0, max_tokens=max_new_tokens,
                           stop=(chat.END_OF_TURN,))
   results = engine.generate(
@@ -265,15 +311,23 @@ class _Run:
 
   def __init__(self, mcfg, tcfg, rl_config, run, rollout_config,
                trainer_config, schedule_config, engine_config, reward_config,
-               workdir, *, resume, init, progress, mesh):
+               agent_config, workdir, *, resume, init, progress, mesh):
     self.rl_config, self.run, self.progress = rl_config, run, progress
     self.rollout_config, self.workdir = rollout_config, workdir
     self.configs = {"model": mcfg, "train": tcfg, "rl": rl_config,
                     "run": run, "rollout": rollout_config,
                     "trainer": trainer_config, "schedule": schedule_config,
-                    "rewards": reward_config}
+                    "rewards": reward_config, "agent": agent_config}
     self.reward_config = reward_config
     tcfg.check_model(mcfg)
+    if run.agent != "none":
+      need = agent_config.max_context_tokens + rollout_config.max_new_tokens
+      if need > trainer_config.row_len:
+        raise UserError(
+            f"TrainerConfig.row_len: {trainer_config.row_len} cannot hold "
+            f"an agent call's sample of up to {need} tokens (AgentConfig."
+            "max_context_tokens + RolloutConfig.max_new_tokens): raise it "
+            "or lower max_context_tokens")
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       keep=run.keep_checkpoints)
@@ -291,8 +345,15 @@ class _Run:
                         self._saved_configs())
     self.tokenizer = init.tokenizer if init is not None else ByteTokenizer()
     self.env = envs.make(run.env, **dict(run.env_fields))
+    self.agent = None
+    if run.agent != "none":
+      self.agent = agent_rollout.agent_for(self.env, agent_config,
+                                           self.tokenizer)
+      agent_rollout.check_fits(self.env, self.agent,
+                               rollout_config.max_new_tokens)
     variables = warm_start(mcfg, tcfg, self.env, self.tokenizer, run,
-                           workdir, init=init, progress=progress)
+                           workdir, init=init, progress=progress,
+                           agent=self.agent)
     state = state_lib.create_state(mcfg, tcfg, variables)
     self.step, self.version, self.next_seq = 0, 0, 0
     if resume:
@@ -336,6 +397,15 @@ class _Run:
       self.next_seq += 1
     seq, self.next_seq = self.next_seq, self.next_seq + 1
     return seq
+
+  def _rollout(self, pool):
+    """The run's rollout on `pool`: single-turn groups, or groups of agent
+    episodes (same interface)."""
+    if self.agent is None:
+      return rollout_lib.Rollout(self.engine, self.env, self.tokenizer, pool,
+                                 self.rollout_config, seed=self.run.seed)
+    return agent_rollout.AgentRollout(self.engine, self.env, self.agent, pool,
+                                      self.rollout_config, seed=self.run.seed)
 
   def _submit(self, rollout: rollout_lib.Rollout, version: int) -> None:
     gid = rollout.submit(self._next_seq(), version)
@@ -437,7 +507,7 @@ class _Run:
         and self.run.mode == "sync"):
       metrics["eval_reward"] = evaluate(
           self.engine, self.env, self.tokenizer, self.run,
-          self.rollout_config.max_new_tokens)
+          self.rollout_config.max_new_tokens, self.agent)
     self.writer.write(self.step, metrics)
     if self.progress:
       print(f"step {self.step}: reward {metrics['reward_mean']:.3f} "
@@ -462,9 +532,7 @@ class _Run:
 
   def sync(self, stop_after: int | None) -> None:
     """Generate a batch, wait for its verification, train, sync."""
-    rollout = rollout_lib.Rollout(self.engine, self.env, self.tokenizer,
-                                  self.pool, self.rollout_config,
-                                  seed=self.run.seed)
+    rollout = self._rollout(self.pool)
     n = self.run.groups_per_step
     while self._more(stop_after):
       started, batch, kept, tried = time.time(), [], 0, 0
@@ -514,9 +582,7 @@ class _Run:
 
     def produce():
       pool = pool_lib.Pool(os.path.join(self.workdir, POOL_FILE))
-      rollout = rollout_lib.Rollout(self.engine, self.env, self.tokenizer,
-                                    pool, self.rollout_config,
-                                    seed=self.run.seed)
+      rollout = self._rollout(pool)
       version = self.version
       try:
         while not stop.is_set():
@@ -589,6 +655,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
             sched_lib.ScheduleConfig()),
         engine_config: EngineConfig = EngineConfig(),
         reward_config: rewards_lib.RewardConfig = rewards_lib.RewardConfig(),
+        agent_config: whitebox.AgentConfig = whitebox.AgentConfig(),
         resume: bool = False, init: sft.Init | None = None,
         stop_after: int | None = None, progress: bool = True,
         mesh=None) -> dict:
@@ -598,7 +665,8 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
   (with a checkpoint), as if killed right after it."""
   r = _Run(model_config, train_config, rl_config, run_config, rollout_config,
            trainer_config, schedule_config, engine_config, reward_config,
-           workdir, resume=resume, init=init, progress=progress, mesh=mesh)
+           agent_config, workdir, resume=resume, init=init,
+           progress=progress, mesh=mesh)
   try:
     if run_config.mode == "sync":
       r.sync(stop_after)
@@ -612,7 +680,7 @@ def run(model_config: ModelConfig, train_config: TrainConfig,
     if run_config.eval_tasks:
       summary["eval_reward"] = evaluate(
           r.engine, r.env, r.tokenizer, run_config,
-          rollout_config.max_new_tokens)
+          rollout_config.max_new_tokens, r.agent)
     return summary
   finally:
     r.writer.close()

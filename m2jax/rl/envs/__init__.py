@@ -4,6 +4,8 @@
                  the lognormal latency model every env shares
   arithmetic.py  n-digit addition and multiplication, exact answer
   sorting.py     sort a list of small numbers, reward = positions right
+  tool_tasks.py  multi-step tasks solved with tool calls (multiply, with
+                 the calculator), run by an agent (`multi_step`)
 
 An env is a frozen config dataclass with methods (sample, verify,
 demonstration, latency, level_mix); `make(name, **fields)` builds one by
@@ -30,8 +32,10 @@ from m2jax.config import ConfigError
 from m2jax.rl.envs.arithmetic import Arithmetic
 from m2jax.rl.envs.base import Env, Task, Verification
 from m2jax.rl.envs.sorting import Sorting
+from m2jax.rl.envs.tool_tasks import Multiply
 
-ENVS: dict[str, type] = {cls.name: cls for cls in (Arithmetic, Sorting)}
+ENVS: dict[str, type] = {cls.name: cls
+                         for cls in (Arithmetic, Sorting, Multiply)}
 
 Mix = dict[tuple[str, int], float]   # (env name, difficulty) -> probability
 
@@ -47,6 +51,12 @@ def make(name: str, **fields) -> Env:
     raise ConfigError(f"{cls.__name__}: unknown field(s) {unknown} (fields: "
                       f"{', '.join(known)})")
   return cls(**fields)
+
+
+def multi_step(name: str) -> bool:
+  """Whether env `name` is solved over several model calls with tools
+  (an agent runs it) rather than by one completion."""
+  return bool(getattr(ENVS.get(name), "multi_step", False))
 
 
 def task_mix(envs: Sequence[Env],
@@ -100,6 +110,6 @@ def total_variation(p: Mapping, q: Mapping) -> float:
   return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in keys)
 
 
-__all__ = ["ENVS", "Arithmetic", "Env", "Mix", "Sorting", "Task",
-           "Verification", "batch_mix", "make", "sample_tasks", "task_mix",
-           "total_variation"]
+__all__ = ["ENVS", "Arithmetic", "Env", "Mix", "Multiply", "Sorting", "Task",
+           "Verification", "batch_mix", "make", "multi_step", "sample_tasks",
+           "task_mix", "total_variation"]
