@@ -66,6 +66,7 @@ from m2jax.errors import UserError
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
 from m2jax.rl import envs
+from m2jax.rl import mtp_cotrain
 from m2jax.rl import objectives
 from m2jax.rl import pool as pool_lib
 from m2jax.rl import rollout as rollout_lib
@@ -379,6 +380,16 @@ class _Run:
     return [t for t, keep in zip(trajs, kept.keep) if keep], list(
         kept.dropped)
 
+  def _rollout_acceptance(self) -> dict:
+    """The engine's speculative acceptance since the last call (the step's
+    rollouts; {} without MTP drafting; mtp_cotrain.rollout_acceptance)."""
+    draft = self.engine.config.mtp_draft
+    seen = mtp_cotrain.engine_counters(self.engine.stats, draft)
+    out = mtp_cotrain.rollout_acceptance(
+        getattr(self, "_drafts_seen", {}), seen, draft)
+    self._drafts_seen = seen  # pylint: disable=attribute-defined-outside-init
+    return out
+
   def _train(self, trajs, started: float, idle: float, tried: int) -> dict:
     metrics = self.trainer.train(trajs)
     self.pool.mark_trained([t.trajectory_id for t in trajs],
@@ -401,9 +412,9 @@ class _Run:
         "loss": metrics["loss"],
         "difficulty_mean": np.mean([t.difficulty for t in trajs]),
         "samples": len(trajs), "groups_tried": tried,
-        "step_seconds": elapsed,
+        "step_seconds": elapsed, **self._rollout_acceptance(),
         **{k: v for k, v in metrics.items()
-           if k.startswith(("train/", "policy/"))}}
+           if k.startswith(("train/", "policy/", "mtp/"))}}
 
   def _skip(self, started: float, tried: int) -> dict:
     """A step whose groups all lacked signal (DAPO's dynamic sampling
@@ -426,6 +437,7 @@ class _Run:
       metrics["eval_reward"] = evaluate(
           self.engine, self.env, self.tokenizer, self.run,
           self.rollout_config.max_new_tokens)
+      self._rollout_acceptance()  # greedy eval drafts are not rollouts
     self.writer.write(self.step, metrics)
     if self.progress:
       print(f"step {self.step}: reward {metrics['reward_mean']:.3f} "
