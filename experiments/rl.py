@@ -108,6 +108,16 @@ flags.DEFINE_integer("max_in_flight", None, "Groups in flight (async; "
 flags.DEFINE_integer("max_batch", 128, "Engine: sequences decoded at once.")
 flags.DEFINE_integer("num_pages", 2048, "Engine: KV pages.")
 flags.DEFINE_integer("page_size", 16, "Engine: tokens per KV page.")
+flags.DEFINE_integer("mtp_draft", 0, "Engine: MTP speculative draft tokens "
+                     "per round in rollouts (0: plain decoding; at most the "
+                     "model's MTP modules). Acceptance is logged per step.")
+flags.DEFINE_enum("mtp_loss", "topk_kl", ["topk_kl", "ce"], "MTP co-training "
+                  "in RL: top-K KL to the policy, or CE on sampled tokens.")
+flags.DEFINE_integer("mtp_topk", rl_step.MTP_TOPK, "K of the MTP top-K KL.")
+flags.DEFINE_enum("mtp_tail", "bucket", ["bucket", "renormalize"], "Mass "
+                  "outside the top K: one outcome, or renormalised away.")
+flags.DEFINE_bool("mtp_detach", True, "The MTP term trains only the MTP "
+                  "modules (the policy's trunk, embedding and head detached).")
 # Training.
 flags.DEFINE_float("learning_rate", 1e-3, "RL learning rate.")
 flags.DEFINE_integer("warmup_steps", 5, "RL learning-rate warmup.")
@@ -152,7 +162,9 @@ SCHEDULE_FLAGS = {"schedule": "policy", "window": "window",
 TRAINER_FLAGS = {"row_len": "row_len", "minibatches": "minibatches",
                  "rows_per_micro_batch": "rows_per_micro_batch",
                  "merge": "merge"}
-RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef"}
+RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef", "mtp_loss": "mtp_loss",
+            "mtp_topk": "mtp_topk", "mtp_tail": "mtp_tail",
+            "mtp_detach": "mtp_detach"}
 REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
                 "reward_gamma": "gamma", "speed_min": "speed_min",
                 "speed_max": "speed_max"}
@@ -198,7 +210,9 @@ def _fresh_configs(mcfg: ModelConfig):
       decay_fraction=FLAGS.decay_fraction, min_lr_ratio=FLAGS.min_lr_ratio,
       grad_clip=FLAGS.grad_clip)
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
-                        mtp_depth=mcfg.num_mtp_modules)
+                        mtp_depth=mcfg.num_mtp_modules,
+                        mtp_loss=FLAGS.mtp_loss, mtp_topk=FLAGS.mtp_topk,
+                        mtp_tail=FLAGS.mtp_tail, mtp_detach=FLAGS.mtp_detach)
   run = loop.RLRunConfig(
       env=FLAGS.env, env_fields=_env_fields(), agent=FLAGS.agent,
       mode=FLAGS.mode, steps=steps, max_rollouts=FLAGS.max_rollouts,
@@ -277,6 +291,7 @@ def main(argv):
     configs = _fresh_configs(mcfg)
   mcfg = configs["model"].replace(settings=settings)
   engine = EngineConfig(max_batch=FLAGS.max_batch, num_pages=FLAGS.num_pages,
+                        mtp_draft=FLAGS.mtp_draft,
                         page_size=FLAGS.page_size)
   summary = loop.run(
       mcfg, configs["train"], configs["run"], FLAGS.workdir,

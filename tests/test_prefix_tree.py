@@ -343,8 +343,11 @@ CFG = config_lib.TINY.replace(num_mtp_modules=1, compute_dtype="float32",
 CFG_KERNEL = CFG.replace(settings=Settings(
     attention="xla", tree_attention=TreeAttentionConfig(backend="triton"),
     interpret=True))
+# MTP co-training by the top-K KL with the MTP module detached from the
+# policy (the defaults); K well below the vocabulary, so the rest of the
+# mass is a large outcome of its own.
 RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
-                      mtp_depth=1, mtp_weight=0.5)
+                      mtp_depth=1, mtp_weight=0.5, mtp_topk=8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,10 +373,26 @@ def _exactness_batch(rng):
   return seqs, masks, {"old_logprobs": old, "advantages": adv}, groups
 
 
+def _topk_kl(p_logits, q_logits, k):
+  """KL(p || q) over p's top-k tokens and the rest as one outcome, p under
+  stop-gradient (m2jax.rl.mtp_cotrain), written with a gather."""
+  lp = jax.nn.log_softmax(jax.lax.stop_gradient(p_logits), -1)
+  lq = jax.nn.log_softmax(q_logits, -1)
+  idx = jax.lax.top_k(lp, k)[1]
+  lp_k = jnp.take_along_axis(lp, idx, -1)
+  lq_k = jnp.take_along_axis(lq, idx, -1)
+  p_rest = 1 - jnp.exp(lp_k).sum(-1)
+  q_rest = 1 - jnp.exp(lq_k).sum(-1)
+  return (jnp.sum(jnp.exp(lp_k) * (lp_k - lq_k), -1)
+          + p_rest * (jnp.log(p_rest) - jnp.log(q_rest)))
+
+
 def _unmerged_loss(params, seqs, trees, groups):
   """Reference: one padded row per sample through the model's ordinary
-  causal path; CISPO with group weights plus the depth-1 MTP CE (token
-  mean over trained tokens l >= 2), written out here."""
+  causal path; CISPO with group weights plus the depth-1 MTP top-K KL
+  (token mean over trained tokens l >= 2; depth 1 at position l - 2 pulled
+  to the policy at l - 1, both predicting token l), written out here.
+  Returns (loss, (depth 1's KL, its CE)), metrics of the merged step."""
   S, L = trees.loss_mask.shape
   tokens = np.zeros((S, L), np.int32)
   seg = np.zeros((S, L), np.int32)
@@ -381,7 +400,7 @@ def _unmerged_loss(params, seqs, trees, groups):
     tokens[s, :len(seq)], seg[s, :len(seq)] = seq, 1
   out = model.forward(CFG, dict(_variables(), params=params),
                       jnp.asarray(tokens), segment_ids=jnp.asarray(seg),
-                      mtp_depth=1)
+                      mtp_depth=1, mtp_detach=RL.mtp_detach)
   tok = jnp.asarray(tokens)
   lp = jax.nn.log_softmax(out.logits, -1)
   lp = jnp.take_along_axis(lp[:, :-1], tok[:, 1:, None], -1)[..., 0]
@@ -392,18 +411,21 @@ def _unmerged_loss(params, seqs, trees, groups):
   weights = cispo.token_weights(trees.loss_mask, groups, RL.cispo)
   loss = cispo.cispo_loss(lp_SxL, trees.payloads["old_logprobs"],
                           trees.payloads["advantages"], weights, RL.cispo)[0]
+  kl = _topk_kl(out.logits[:, 1:-1], out.mtp_logits[0][:, :-2], RL.mtp_topk)
+  kl_SxL = jnp.pad(kl, ((0, 0), (2, 0)))                  # token l from l-2
   mtp_mask = trees.loss_mask & (np.arange(L)[None] >= 2)
-  mtp_ce = -jnp.sum(jnp.where(mtp_mask, mtp_SxL, 0.0)) / mtp_mask.sum()
-  return loss + RL.mtp_weight * mtp_ce
+  mean = lambda x: jnp.sum(jnp.where(mtp_mask, x, 0.0)) / mtp_mask.sum()
+  return loss + RL.mtp_weight * mean(kl_SxL), (mean(kl_SxL), -mean(mtp_SxL))
 
 
 def test_merged_cispo_and_mtp_gradient_equal_unmerged():
   """The tiny MoE model in float32, the library's merged RL step (CISPO
-  with per-group weights + MTP depth 1): loss and the gradient of every
-  parameter leaf equal the unmerged batch's, to 1e-5 of the leaf's largest
-  entry, from one tree in one row (tree attention through the Pallas
-  kernel, interpreted) and from a tree split over rows by the budget and
-  processed one row at a time (dense tree mask), the row gradients summed.
+  with per-group weights + MTP depth 1 by the top-K KL): loss, the MTP
+  KL and CE, and the gradient of every parameter leaf equal the unmerged
+  batch's, to 1e-5 of the leaf's largest entry, from one tree in one row
+  (tree attention through the Pallas kernel, interpreted) and from a tree
+  split over rows by the budget and processed one row at a time (dense
+  tree mask), the row gradients summed.
   Every leaf, the MTP module's included, gets a gradient."""
   rng = np.random.default_rng(0)
   seqs, masks, payloads, groups = _exactness_batch(rng)
@@ -420,8 +442,10 @@ def test_merged_cispo_and_mtp_gradient_equal_unmerged():
   ratio = ratio[one_row.loss_mask]
   assert (ratio < 0.8).any() and (ratio > 1.3).any()
 
-  loss_u, g_u = jax.jit(jax.value_and_grad(functools.partial(
-      _unmerged_loss, seqs=seqs, trees=one_row, groups=groups)))(params)
+  (loss_u, mtp_u), g_u = jax.jit(jax.value_and_grad(functools.partial(
+      _unmerged_loss, seqs=seqs, trees=one_row, groups=groups),
+                                                     has_aux=True))(params)
+  assert float(mtp_u[0]) > 1e-3 and float(mtp_u[1]) > 1
   step = lambda cfg: jax.jit(functools.partial(
       rl_step.grad_step, model_config=cfg, config=RL))
   (batch,) = rl_step.make_batches(one_row, groups, RL)
@@ -434,10 +458,15 @@ def test_merged_cispo_and_mtp_gradient_equal_unmerged():
   parts = [row_step(params, bias, b) for b in
            rl_step.make_batches(split, groups, RL, rows_per_batch=1)]
   g_split = jax.tree.map(lambda *x: sum(x), *[g for g, _, _ in parts])
-  loss_split = sum(m["loss"] for _, m, _ in parts)
-  for name, loss_m, g_m in (("one row, kernel", m_one["loss"], g_one),
-                            ("rows", loss_split, g_split)):
-    np.testing.assert_allclose(loss_m, loss_u, rtol=1e-5, err_msg=name)
+  m_split = {k: sum(m[k] for _, m, _ in parts) for k in m_one}
+  for name, m, g_m in (("one row, kernel", m_one, g_one),
+                       ("rows", m_split, g_split)):
+    np.testing.assert_allclose(m["loss"], loss_u, rtol=1e-5, err_msg=name)
+    # The reference's rest mass 1 - p(top-K) rounds to 1e-7 in float32.
+    np.testing.assert_allclose(m["mtp/kl_1"], mtp_u[0], rtol=2e-4,
+                               err_msg=name)
+    np.testing.assert_allclose(m["mtp/ce_1"], mtp_u[1], rtol=1e-5,
+                               err_msg=name)
     for (path, gm), gu in zip(jax.tree_util.tree_leaves_with_path(g_m),
                               jax.tree_util.tree_leaves(g_u)):
       scale = float(np.abs(gu).max())

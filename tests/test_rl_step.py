@@ -94,14 +94,18 @@ def test_make_batches_rejects_bad_input():
     rl_step.make_batches(pt.pack([[1, 2, 3]], row_len=4,
                                  payloads={"old_logprobs": [[0, 0, 0]]}),
                          [0], RL)
-  with pytest.raises(ValueError, match="RLConfig.mtp_depth"):
-    rl_step.RLConfig(mtp_depth=-1)
+  for field, value in (("mtp_depth", -1), ("mtp_weight", float("nan")),
+                       ("mtp_loss", "kl"), ("mtp_topk", 0),
+                       ("mtp_tail", "drop")):
+    with pytest.raises(ValueError, match=f"RLConfig.{field}"):
+      rl_step.RLConfig(**{field: value})
 
 
 def test_train_step_over_rows_equals_one_batch():
   """One policy update with the rows as three micro-batches (scan) equals
-  the update with all rows at once: loss, parameters and the expert bias
-  (loads summed over micro-batches) of the main and MTP blocks."""
+  the update with all rows at once: loss, the MTP metrics, parameters and
+  the expert bias (loads summed over micro-batches) of the main and MTP
+  blocks."""
   _, trees, groups = _batch(seed=1)
   variables = model.init(CFG, jax.random.key(0))
   # A large Adam eps keeps the first update linear in the gradient, so
@@ -117,10 +121,14 @@ def test_train_step_over_rows_equals_one_batch():
     results.append(step(state, batches))
   (rows_state, rows_m), (one_state, one_m) = results
   assert int(rows_state.step) == 1
-  for key in ("loss", "policy/loss", "mtp/ce", "grad_norm"):
-    np.testing.assert_allclose(rows_m[key], one_m[key], rtol=1e-5,
+  # The KL (about 1e-2) sums terms about as large: its rounding is larger.
+  for key, rtol in (("loss", 1e-5), ("policy/loss", 1e-5), ("mtp/kl", 1e-4),
+                    ("mtp/ce", 1e-5), ("mtp/accept_prob", 1e-5),
+                    ("grad_norm", 1e-5)):
+    np.testing.assert_allclose(rows_m[key], one_m[key], rtol=rtol,
                                err_msg=key)
   assert float(one_m["mtp/ce"]) > 0 and float(one_m["policy/tokens"]) > 0
+  assert float(one_m["mtp/kl"]) > 0 and 0 < float(one_m["mtp/accept_prob"]) < 1
   for (path, a), b, p0 in zip(
       jax.tree_util.tree_leaves_with_path(rows_state.params),
       jax.tree_util.tree_leaves(one_state.params),

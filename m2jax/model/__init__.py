@@ -74,17 +74,20 @@ def _check_mtp(config: ModelConfig, variables, mtp_depth: int):
 
 def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
             positions=None, mtp_depth: int = 0, subtree_end=None,
-            parent=None) -> ModelOutput:
+            parent=None, mtp_detach: bool = False) -> ModelOutput:
   """Full forward pass: logits, MTP logits, last hidden state, routing.
 
   `subtree_end` [B, T] selects the tree layout (key j visible to queries
   j .. subtree_end[j] - 1; positions are depths); `parent` [B, T] (-1 at
   roots) makes the MTP shift follow tree edges (transformer.py).
+  `mtp_detach`: gradients of the MTP logits reach only the MTP modules'
+  own weights (the trunk, embedding, final norm and lm_head get none).
   """
   _check_mtp(config, variables, mtp_depth)
   return _module(config).apply(variables, tokens_BxT, segment_ids, positions,
                                mtp_depth=mtp_depth,
-                               subtree_end_BxT=subtree_end, parent_BxT=parent)
+                               subtree_end_BxT=subtree_end, parent_BxT=parent,
+                               mtp_detach=mtp_detach)
 
 
 def decode(config: ModelConfig, variables, tokens_BxT, pages: paged.PagedKV,

@@ -45,10 +45,14 @@ class RMSNorm(nn.Module):
   param_dtype: str = "float32"
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, detach_scale: bool = False):
+    """`detach_scale`: no gradient reaches the weight (RL's MTP modules read
+    the shared final norm without training it; transformer.py)."""
     scale = self.param(
         "scale", nn.with_logical_partitioning(nn.initializers.ones, self.names),
         self.shape, dtype_of(self.param_dtype))
+    if detach_scale:
+      scale = jax.lax.stop_gradient(scale)
     axes = tuple(range(x.ndim - len(self.shape), x.ndim))
     x32 = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(x32), axis=axes, keepdims=True)

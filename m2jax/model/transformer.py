@@ -9,6 +9,10 @@
 The blocks are m2jax/model/block.py; the MTP modules and how their inputs
 follow a row (chain) or a prefix tree are m2jax/model/mtp.py. The embedding,
 final norm and lm_head are shared by the main model and the MTP modules.
+With `mtp_detach` the MTP modules read h^0, the embedding, the final norm
+and lm_head without passing gradients back to them: an MTP loss then trains
+the modules' own weights only (RL's co-training, m2jax/rl/mtp_cotrain.py, must
+not move the policy).
 
 Tree layout (`subtree_end` and `parent` given; m2jax.rl.prefix_tree): every
 token appears once, attention follows the tree (attention.py), the MoE and
@@ -72,17 +76,19 @@ class Transformer(nn.Module):
     x = jnp.take(self.embedding, tokens_BxT, axis=0).astype(cdt)
     return constrain(x, ("act_batch", "act_length", "act_embed"))
 
-  def head(self, hidden_BxTxD):
+  def head(self, hidden_BxTxD, detach: bool = False):
+    """Final norm and lm_head; `detach`: no gradient reaches their weights
+    (it still reaches `hidden`)."""
     cdt = dtype_of(self.config.compute_dtype)
-    h = self.final_norm(hidden_BxTxD)
-    logits = jnp.einsum("btd,dv->btv", h.astype(cdt),
-                        self.lm_head.astype(cdt),
+    h = self.final_norm(hidden_BxTxD, detach_scale=detach)
+    w = jax.lax.stop_gradient(self.lm_head) if detach else self.lm_head
+    logits = jnp.einsum("btd,dv->btv", h.astype(cdt), w.astype(cdt),
                         preferred_element_type=jnp.float32)
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
   def __call__(self, tokens_BxT, segment_ids_BxT=None, positions_BxT=None, *,
                mtp_depth: int = 0, subtree_end_BxT=None,
-               parent_BxT=None) -> ModelOutput:
+               parent_BxT=None, mtp_detach: bool = False) -> ModelOutput:
     """Forward pass; `mtp_depth` MTP modules run after the main model.
 
     segment_ids: 0 marks padding (excluded from routing statistics); tokens
@@ -90,7 +96,8 @@ class Transformer(nn.Module):
     (one sequence) of the MoE's sequence-wise aux loss. positions default
     to restarting at every segment start. subtree_end (and, for MTP,
     parent) switch to the tree layout of the module docstring; positions
-    are then required.
+    are then required. mtp_detach: the MTP modules pass no gradient to
+    the main model's weights (module docstring).
     """
     tree = subtree_end_BxT is not None
     if tree and positions_BxT is None:
@@ -112,7 +119,8 @@ class Transformer(nn.Module):
       stats.append(s)
     logits = self.head(x)
 
-    mtp_logits, mtp_stats, h = [], [], x
+    sg = jax.lax.stop_gradient if mtp_detach else (lambda a: a)
+    mtp_logits, mtp_stats, h = [], [], sg(x)
     for k in range(1, mtp_depth + 1):
       if tree:
         inputs = mtp_lib.tree_inputs(k, h, tokens_BxT, positions_BxT, valid,
@@ -120,10 +128,10 @@ class Transformer(nn.Module):
       else:
         inputs = mtp_lib.chain_inputs(k, h, tokens_BxT, segment_ids_BxT,
                                       positions_BxT, valid)
-      h, s, _ = self.mtp[k - 1](inputs.hidden, self.embed(inputs.tokens),
+      h, s, _ = self.mtp[k - 1](inputs.hidden, sg(self.embed(inputs.tokens)),
                                 segment_ids_BxT, inputs.positions,
                                 inputs.valid, inputs.subtree_end)
-      mtp_logits.append(self.head(h))
+      mtp_logits.append(self.head(h, detach=mtp_detach))
       mtp_stats.extend(s)
     return ModelOutput(logits, tuple(mtp_logits), x, _stack(stats),
                        _stack(mtp_stats))

@@ -56,7 +56,10 @@ those DAPO discarded included: the number to compare across algorithms),
 accuracy, policy_lag,
 policy_lag_max, samples_per_sec, trainer_idle_fraction, clip_fraction,
 entropy, loss, difficulty_mean, rollouts (samples generated so far, the
-pool's finished count), and eval_reward (greedy, held-out tasks)
+pool's finished count), with MTP drafting (EngineConfig.mtp_draft) the
+rollouts' speculative acceptance mtp/acceptance, mtp/acceptance_at_k and
+mtp/rounds, the MTP co-training terms mtp/kl, mtp/ce, mtp/accept_prob
+(m2jax/rl/mtp_cotrain.py), and eval_reward (greedy, held-out tasks)
 every `eval_every` steps.
 """
 
@@ -82,6 +85,7 @@ from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
 from m2jax.rl import agent_rollout
 from m2jax.rl import envs
+from m2jax.rl import mtp_cotrain
 from m2jax.rl import objectives
 from m2jax.rl import pool as pool_lib
 from m2jax.rl import rewards as rewards_lib
@@ -387,6 +391,7 @@ class _Run:
                                 resume_step=self.step if resume else None)
     self.lock = threading.Condition()
     self._tried: list[float] = []   # rewards of the groups a step read
+    self._drafts_seen: dict = {}    # the engine's MTP counters at last read
 
   # -- pieces shared by both modes --
 
@@ -459,6 +464,15 @@ class _Run:
     return [t for t, keep in zip(trajs, kept.keep) if keep], list(
         kept.dropped)
 
+  def _rollout_acceptance(self) -> dict:
+    """The engine's speculative acceptance since the last call (the step's
+    rollouts; {} without MTP drafting; mtp_cotrain.rollout_acceptance)."""
+    draft = self.engine.config.mtp_draft
+    seen = mtp_cotrain.engine_counters(self.engine.stats, draft)
+    out = mtp_cotrain.rollout_acceptance(self._drafts_seen, seen, draft)
+    self._drafts_seen = seen
+    return out
+
   def _train(self, trajs, started: float, idle: float, tried: int) -> dict:
     metrics = self.trainer.train(trajs)
     self.pool.mark_trained([t.trajectory_id for t in trajs],
@@ -483,9 +497,9 @@ class _Run:
         "loss": metrics["loss"],
         "difficulty_mean": np.mean([t.difficulty for t in trajs]),
         "samples": len(trajs), "groups_tried": tried,
-        "step_seconds": elapsed,
+        "step_seconds": elapsed, **self._rollout_acceptance(),
         **{k: v for k, v in metrics.items()
-           if k.startswith(("train/", "policy/"))}}
+           if k.startswith(("train/", "policy/", "mtp/"))}}
 
   def _skip(self, started: float, tried: int) -> dict:
     """A step whose groups all lacked signal (DAPO's dynamic sampling
@@ -508,6 +522,7 @@ class _Run:
       metrics["eval_reward"] = evaluate(
           self.engine, self.env, self.tokenizer, self.run,
           self.rollout_config.max_new_tokens, self.agent)
+      self._rollout_acceptance()  # greedy eval drafts are not rollouts
     self.writer.write(self.step, metrics)
     if self.progress:
       print(f"step {self.step}: reward {metrics['reward_mean']:.3f} "

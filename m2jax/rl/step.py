@@ -10,7 +10,11 @@ and computes the loss there, so the objective is exactly the unmerged one:
            CISPO (cispo.py, the default) or PPO-clip (GRPO, DAPO;
            objectives.py), by RLConfig.algorithm
        + kl_coef * sum w * k3(ref log pi, log pi)      (optional)
-       + mtp_weight * mean_k sum w_k * (-log p_k)     (optional, depth k)
+       + mtp_weight * mean_k sum w_k * mtp_k          (optional, depth k)
+
+mtp_k is the top-K KL from the policy's next-token distribution to depth
+k's (RLConfig.mtp_loss "topk_kl", the default; m2jax/rl/mtp_cotrain.py) or
+the cross-entropy -log p_k of the sampled token ("ce").
 
 The algorithms (RLConfig.algorithm; clip ranges and normalisations in
 RLConfig.cispo / .grpo / .dapo):
@@ -29,11 +33,13 @@ parameters) and stored in the batch before the step. The metrics
 loss), "policy/clip_fraction" and "policy/kl" are means under the
 algorithm's normalisation.
 
-MTP (k = 1..mtp_depth): depth k's log-prob of token l of a sample, read
+MTP (k = 1..mtp_depth): depth k's term for token l of a sample is read
 from the tree-layout MTP logits at the token's parent (valid where
 depth(parent) >= k, i.e. l >= k + 1), on the trained tokens (the policy's
 outputs, which the MTP modules draft at rollout). As in pretraining, each
-depth's CE is a token mean over the batch and the depths are averaged.
+depth's term is a token mean over the batch and the depths are averaged.
+With RLConfig.mtp_detach (the default) the term trains the MTP modules
+only: the policy's gradient is that of the policy loss (and KL) alone.
 
 Every term is a weighted sum whose weights are computed once for the whole
 batch on the host (`make_batches`), so a batch can be cut into micro-batches
@@ -75,6 +81,7 @@ import numpy as np
 from m2jax import model
 from m2jax.config import ModelConfig
 from m2jax.rl import cispo
+from m2jax.rl import mtp_cotrain
 from m2jax.rl import objectives
 from m2jax.rl import prefix_tree
 from m2jax.train import losses
@@ -85,6 +92,9 @@ from m2jax.train.config import TrainConfig
 # The MTP loss weight at the end of pretraining's decay phase (the paper
 # anneals 0.3 -> 0.1; SPEC §2): RL continues from there.
 MTP_WEIGHT = 0.1
+# The policy's tokens the MTP KL matches one by one (the rest is one
+# outcome; mtp_cotrain.py). Ours: the report names a top-K KL, not its K.
+MTP_TOPK = 32
 ALGORITHMS = ("cispo", "grpo", "dapo")
 
 
@@ -100,6 +110,16 @@ class RLConfig:
   advantage_std: divide group-relative advantages by the group std (GRPO,
     DAPO) or not (Dr. GRPO); read by the trainer for
     objectives.group_advantages.
+  mtp_depth: MTP modules trained alongside (0: none).
+  mtp_weight: their term's weight. With mtp_detach it scales only the MTP
+    modules' gradients (which still count in the global-norm clip).
+  mtp_loss: "topk_kl" (co-training to the current policy; mtp_cotrain.py)
+    or "ce" (the sampled tokens' cross-entropy, as in pretraining).
+  mtp_topk: K of the top-K KL; mtp_tail: the rest of the mass, "bucket"
+    (one outcome) or "renormalize" (ignored).
+  mtp_detach: the MTP term trains the MTP modules only, never the policy
+    (trunk, embedding, final norm, lm_head); False lets it reach them as
+    in pretraining.
   """
   algorithm: str = "cispo"
   cispo: cispo.CISPOConfig = cispo.CISPOConfig()
@@ -109,6 +129,10 @@ class RLConfig:
   advantage_std: bool = True
   mtp_depth: int = 0
   mtp_weight: float = MTP_WEIGHT
+  mtp_loss: str = "topk_kl"
+  mtp_topk: int = MTP_TOPK
+  mtp_tail: str = "bucket"
+  mtp_detach: bool = True
 
   @property
   def policy(self):
@@ -131,9 +155,18 @@ class RLConfig:
     if self.mtp_depth < 0:
       raise ValueError(f"RLConfig.mtp_depth: must be >= 0 (got "
                        f"{self.mtp_depth!r})")
-    if self.mtp_weight < 0:
-      raise ValueError(f"RLConfig.mtp_weight: must be >= 0 (got "
+    if not 0 <= self.mtp_weight < float("inf"):
+      raise ValueError(f"RLConfig.mtp_weight: must be finite and >= 0 (got "
                        f"{self.mtp_weight!r})")
+    if self.mtp_loss not in mtp_cotrain.LOSSES:
+      raise ValueError(f"RLConfig.mtp_loss: must be one of "
+                       f"{mtp_cotrain.LOSSES} (got {self.mtp_loss!r})")
+    if not isinstance(self.mtp_topk, int) or self.mtp_topk < 1:
+      raise ValueError(f"RLConfig.mtp_topk: must be an integer >= 1 (got "
+                       f"{self.mtp_topk!r})")
+    if self.mtp_tail not in mtp_cotrain.TAILS:
+      raise ValueError(f"RLConfig.mtp_tail: must be one of "
+                       f"{mtp_cotrain.TAILS} (got {self.mtp_tail!r})")
 
 
 class RLBatch(NamedTuple):
@@ -149,7 +182,7 @@ class RLBatch(NamedTuple):
   ref_logprobs: np.ndarray  # [S, L] float32, reference policy (KL only)
   advantages: np.ndarray    # [S, L] float32
   weights: np.ndarray       # [S, L] float32, the objective's token weights
-  mtp_weights: np.ndarray   # [K, S, L] float32, depth-k CE weights
+  mtp_weights: np.ndarray   # [K, S, L] float32, depth-k MTP weights
 
 
 def _mtp_weights(loss_mask_SxL, depth: int) -> np.ndarray:
@@ -262,13 +295,14 @@ def policy_loss(logprobs_SxL, old_logprobs_SxL, advantages_SxL, weights_SxL,
   return loss, metrics
 
 
-def _forward(params, expert_bias, batch: RLBatch, model_config, mtp_depth):
+def _forward(params, expert_bias, batch: RLBatch, model_config, mtp_depth,
+             mtp_detach=False):
   return model.forward(model_config,
                        state_lib.model_variables(params, expert_bias),
                        batch.tokens, segment_ids=batch.segment_ids,
                        positions=batch.positions,
                        subtree_end=batch.subtree_end, parent=batch.parent,
-                       mtp_depth=mtp_depth)
+                       mtp_depth=mtp_depth, mtp_detach=mtp_detach)
 
 
 def reference_logprobs(ref_params, expert_bias, batch: RLBatch, *,
@@ -289,7 +323,8 @@ def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
   micro-batches.
   """
   tokens, parent = batch.tokens, batch.parent
-  out = _forward(params, expert_bias, batch, model_config, config.mtp_depth)
+  out = _forward(params, expert_bias, batch, model_config, config.mtp_depth,
+                 config.mtp_detach)
   logprobs_SxL = prefix_tree.sample_logprobs(out.logits, tokens, parent,
                                              batch.sample_index)
   loss, metrics = policy_loss(logprobs_SxL, batch.old_logprobs,
@@ -299,15 +334,12 @@ def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,
                                           parent, batch.sample_index)
   metrics["policy/entropy"] = jnp.sum(batch.weights * entropy_SxL)
   if config.mtp_depth:
-    ces = []
-    for k, logits_k in enumerate(out.mtp_logits, start=1):
-      lp_k = prefix_tree.sample_logprobs(logits_k, tokens, parent,
-                                         batch.sample_index)
-      ces.append(-jnp.sum(batch.mtp_weights[k - 1] * lp_k))
-      metrics[f"mtp/ce_{k}"] = ces[-1]
-    mtp_ce = sum(ces) / config.mtp_depth
-    loss = loss + config.mtp_weight * mtp_ce
-    metrics["mtp/ce"] = mtp_ce
+    mtp_term, mtp_metrics = mtp_cotrain.mtp_loss(
+        out.logits, out.mtp_logits, tokens, parent, batch.sample_index,
+        batch.mtp_weights, loss=config.mtp_loss, topk=config.mtp_topk,
+        tail=config.mtp_tail)
+    loss = loss + config.mtp_weight * mtp_term
+    metrics.update(mtp_metrics)
   metrics["loss"] = loss
   return loss, (metrics, out)
 
