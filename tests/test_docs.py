@@ -193,6 +193,10 @@ COMMANDS = {
         GPU + "runs the benchmarks on a device machine"),
     "python -m experiments.serve --workdir=runs/demo": Skip(
         "a server that runs until stopped: tests/test_serve.py drives one"),
+    "python -m experiments.serve --preset=tiny --record "
+    "--pool=runs/pool.sqlite": Skip(
+        "a server that runs until stopped: tests/test_gateway.py runs this "
+        "command and kills it"),
     "curl -s http://127.0.0.1:8000/v1/chat/completions -H \"Content-Type: "
     "application/json\" -d '{\"model\": \"demo\", \"messages\": "
     "[{\"role\": \"user\", \"content\": \"def fib(n):\"}], "
