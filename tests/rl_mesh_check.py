@@ -6,9 +6,8 @@ Runs the tiny sync run of tests/test_rl_loop.py for 2 steps on one device,
 then with mesh data=2 and expert=2 (the trainer's state and the engine's
 weights and KV pages sharded as pretraining and serving shard them), and
 checks that every run generates the same batches and ends with the same
-parameters (to float32 reduction-order noise). Not collected by pytest: the
-suite is at its time budget; run it by hand after changing the loop or the
-sharding rules.
+parameters (to float32 reduction-order noise). Its own process (the fake
+devices must be set before jax starts): tests/test_rl_loop.py runs it.
 """
 
 import os
@@ -19,10 +18,23 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from m2jax import sharding  # pylint: disable=wrong-import-position
+from m2jax.rl import trainer as trainer_lib  # pylint: disable=wrong-import-position
 import test_rl_loop as t  # pylint: disable=wrong-import-position
+
+
+def _placements(seen: list):
+  """Trainer.train, recording where the state's parameters live."""
+  train = trainer_lib.Trainer.train
+
+  def recorded(self, trajectories):
+    seen.append([(len(x.sharding.device_set), x.sharding.is_fully_replicated)
+                 for x in jax.tree.leaves(self.state.params)])
+    return train(self, trajectories)
+  return recorded
 
 
 def main() -> None:
@@ -31,7 +43,18 @@ def main() -> None:
   t._run(one, t._run_config(steps=2))
   for spec in ("data=2", "expert=2"):
     here = os.path.join(workdir, spec)
-    t._run(here, t._run_config(steps=2), mesh=sharding.make_mesh(spec))
+    seen = []
+    original = trainer_lib.Trainer.train
+    trainer_lib.Trainer.train = _placements(seen)
+    try:
+      t._run(here, t._run_config(steps=2), mesh=sharding.make_mesh(spec))
+    finally:
+      trainer_lib.Trainer.train = original
+    # The mesh was used: every parameter on both devices, and with expert
+    # parallelism the experts' weights split between them.
+    assert seen and all(n == 2 for step in seen for n, _ in step), spec
+    split = sum(not replicated for step in seen for _, replicated in step)
+    assert split > 0 or spec != "expert=2", (spec, split)
     assert t._batches(one, [1, 2]) == t._batches(here, [1, 2]), spec
     err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
               for a, b in zip(t._params(one)[2], t._params(here)[2]))
