@@ -8,11 +8,27 @@ the cache in the next process instead of compiling again. The cache is keyed
 by the program, the jax version and the flags, so it never hands a test
 another program; tests that need their own cache set the variable
 themselves. An explicit JAX_COMPILATION_CACHE_DIR in the environment wins.
+
+XLA's CPU backend without its LLVM optimisations (FAST_COMPILE, added to
+XLA_FLAGS for the session and the subprocesses that inherit it): compiling
+dominates the suite and the arrays are tiny, so optimised machine code
+costs far more time than it saves. The programs compute the same values:
+the optimisation level changes how XLA's CPU code is generated, not the
+operations it computes (the suite passes either way; the sharded, multi-host
+and documented-command tests ran with these flags before they were
+session-wide). Tests that give a subprocess an XLA_FLAGS of its own add
+FAST_COMPILE to it.
 """
 
 import os
 import tempfile
 
+FAST_COMPILE = ("--xla_backend_optimization_level=0 "
+                "--xla_llvm_disable_expensive_passes=true")
+
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"m2jax-test-xla-cache-{os.getuid()}"))
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      [f for f in [os.environ.get("XLA_FLAGS"), FAST_COMPILE] if f])

@@ -23,6 +23,7 @@ import pytest
 from m2jax.train import interrupt
 from m2jax.train.checkpoint import Checkpointer
 from m2jax.train.metrics import read_metrics
+from conftest import FAST_COMPILE
 from test_train import ROOT, SMALL, _corpus
 
 # Long enough that a signal sent after a few logged steps lands mid-run on
@@ -34,7 +35,7 @@ KILL_AT = 50       # SIGKILL after logging this step, before its checkpoint
 
 
 def _env(cache_dir):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)  # one device
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

@@ -23,6 +23,8 @@ from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import read_metrics
 
+from conftest import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A dense FFN: SFT does not touch the experts, and it compiles in about
 # half the time of the MoE (the loop's MoE paths are pretraining's tests').
@@ -285,8 +287,8 @@ def test_cli_fine_tunes_a_pretraining_run_and_held_out_loss_falls(tmp_path):
     for i in range(200):
       f.write(json.dumps(_conversation(i, tools=False)) + "\n")
   workdir = str(tmp_path / "sft")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=FAST_COMPILE)  # one device
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.sft", f"--workdir={workdir}",
        f"--init={init}", f"--data={chats}", "--seq_len=128",

@@ -82,13 +82,18 @@ def test_loss_falls_and_outputs_exist(tmp_path):
                       keep=3).steps() == [36, 39, 40]
 
 
-def _run_cli(workdir, corpus, *extra):
+def _run_cli(workdir, corpus, cache, *extra):
   cmd = [sys.executable, "-m", "experiments.pretrain", "--preset=tiny",
          f"--workdir={workdir}", f"--data={corpus}", "--seq_len=32",
          "--batch_size=2", "--steps=14", "--log_every=1", "--eval_every=7",
          "--eval_batches=2", "--checkpoint_every=2", "--sample_tokens=0",
          "--warmup_steps=2", *[f"--override={o}" for o in SMALL], *extra]
-  return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+  # Every program of the first process cached, however fast it compiled:
+  # the later processes run the same programs and compile none.
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
 
 
@@ -103,9 +108,11 @@ def _final_params(workdir):
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
   corpus = _corpus(tmp_path)
+  cache = str(tmp_path / "jax_cache")
   ref_dir, kill_dir = str(tmp_path / "ref"), str(tmp_path / "killed")
-  ref = _run_cli(ref_dir, corpus)
-  victim = _run_cli(kill_dir, corpus)
+  # The victim alone first (it compiles); the reference and the resume run
+  # from its compiled programs, side by side.
+  victim = _run_cli(kill_dir, corpus, cache)
   kill_at = random.Random().randint(3, 11)
   metrics = os.path.join(kill_dir, "metrics.jsonl")
   deadline = time.time() + 240
@@ -119,8 +126,9 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
     time.sleep(0.05)
   victim.send_signal(signal.SIGKILL)
   victim.wait()
+  ref = _run_cli(ref_dir, corpus, cache)
+  resumed = _run_cli(kill_dir, corpus, cache, "--resume")
   assert ref.wait() == 0, ref.stderr.read()
-  resumed = _run_cli(kill_dir, corpus, "--resume")
   assert resumed.wait() == 0, resumed.stderr.read()
 
   ref_lines, kill_lines = read_metrics(ref_dir), read_metrics(kill_dir)
