@@ -314,13 +314,15 @@ def test_a_shared_engine_loop_steps_only_its_own_requests():
     prompt, _ = chat.render(ENV.messages(task), TOK, add_generation_prompt=True,
                             tools=ENV.registry().specs())
     rid = engine.add_request(prompt, SamplingParams(max_tokens=400, seed=2))
-    time.sleep(0.3)
-    assert served.stats["steps"] == 0 and engine.result(rid)[0].tokens == []
+    new = {"v": 9}
+    swapped = served.swap_weights(new, 5)   # waits for the engine to idle
+    time.sleep(0.2)
+    assert not swapped.done() and served.stats["steps"] == 0
+    assert engine.result(rid)[0].tokens == []
     while engine.has_work():
       engine.step()
     engine.release(rid)
-    new = {"v": 9}
-    assert served.swap_weights(new, 5).result(10) == 5
+    assert swapped.result(10) == 5
     assert served.engine is engine and engine.variables is new
   finally:
     served.stop()
