@@ -6,6 +6,8 @@ r"""Forge RL on a verifiable environment: warm start, rollouts, training.
       --mode=async --schedule=windowed --latency_scale=0.01 --steps=200
   python -m experiments.rl --preset=tiny --env=multiply --agent=whitebox \
       --max_new_tokens=160 --row_len=1024 --warm_start_seq_len=768
+  python -m experiments.rl --preset=tiny --env=multiply --agent=blackbox \
+      --max_new_tokens=160 --row_len=1024 --warm_start_seq_len=768
 
 A run first fine-tunes the model on the environment's generated
 demonstrations (--warm_start_steps of SFT, m2jax.train.sft, in
@@ -25,7 +27,11 @@ trains no trajectory twice.
 --agent=whitebox runs a multi-step env (a tool task: --env=multiply) with
 the white-box agent (m2jax/agents/whitebox.py): every sample an episode of
 up to --max_turns model calls with tool calls, each call one training step;
---max_new_tokens is per call. An agent with a single-turn env, or a
+--max_new_tokens is per call. --agent=blackbox runs the same tasks with a
+separate agent program (agents/blackbox_agent.py: the `openai` client and
+nothing of m2jax) through the recording gateway on 127.0.0.1
+(m2jax/rl/blackbox_rollout.py); --keep_last_turns and --summarise are the
+white-box agent's and refused. An agent with a single-turn env, or a
 multi-step env without one, is refused. All logic is in m2jax.rl; this
 file turns flags into configs.
 """
@@ -64,8 +70,9 @@ flags.DEFINE_string("env_config", "", "Environment fields as "
                     "FIELD=VALUE;FIELD=VALUE, lists comma-separated, e.g. "
                     "'levels=1,2;ops=+' (m2jax/rl/envs says the fields).")
 flags.DEFINE_enum("agent", "none", list(loop.AGENTS), "whitebox: run a "
-                  "multi-step (tool) env with the white-box agent; none: a "
-                  "single-turn env.")
+                  "multi-step (tool) env with the white-box agent; "
+                  "blackbox: with a separate agent program through the "
+                  "gateway; none: a single-turn env.")
 flags.DEFINE_integer("max_turns", whitebox.AgentConfig.max_turns,
                      "Agent: model calls per episode at most.")
 flags.DEFINE_integer("keep_last_turns", whitebox.AgentConfig.keep_last_turns,

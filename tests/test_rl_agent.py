@@ -282,7 +282,7 @@ def test_agent_and_env_kinds_must_match(tmp_path):
   with pytest.raises(UserError, match="env 'multiply' is solved with tool"):
     loop.RLRunConfig(env="multiply")
   with pytest.raises(UserError, match="RLRunConfig.agent: must be one of"):
-    loop.RLRunConfig(env="multiply", agent="blackbox")
+    loop.RLRunConfig(env="multiply", agent="greybox")
   run = loop.RLRunConfig(env="multiply", agent="whitebox")
   with pytest.raises(UserError, match="TrainerConfig.row_len: 512"):
     loop.run(CFG, TRAIN, run, str(tmp_path / "run"),

@@ -8,6 +8,8 @@ policy objectives and prefix-tree merging.
                   verification, one pool transaction per group
   agent_rollout.py  the same for tool tasks: groups of white-box agent
                   episodes, one pool step per model call
+  blackbox_rollout.py  the same through the gateway: groups of sessions of
+                  a separate agent program (agents/blackbox_agent.py)
   pool.py         the data pool: trajectories in SQLite (WAL), what trained
                   on which version, rollback on resume
   gateway.py      the OpenAI server recording black-box agents' sessions

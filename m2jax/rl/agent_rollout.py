@@ -15,8 +15,8 @@ tokens, END_OF_TURN ending the action and kept in it.
 A trajectory has one Step per model call: the exact prompt tokens sent
 (state), the tokens and behaviour log-probs received (action, logprobs),
 the policy version the call was sent under (the newest the rollout was
-told of at a `submit`: in async mode weights may change between an
-episode's calls) and the env's process reward of the call. The
+told of, at a `submit` or an `update_variables`: in async mode weights
+may change between an episode's calls) and the env's process reward of the call. The
 trajectory's reward is the outcome: env.verify(task, answer) on the
 episode's final answer ("" when it ended without one). `verification`
 holds the verifier's detail and correct, end ("answer", "max_turns",
@@ -235,6 +235,20 @@ class AgentRollout:
     if not self._delayed:
       return None
     return max(0.0, self._delayed[0][0] - time.time())
+
+  def take_failed(self) -> list[str]:
+    """Groups that ended uncommitted: none here (a group's episodes are
+    committed together once they have all ended)."""
+    return []
+
+  def update_variables(self, variables, version: int) -> None:
+    """New weights for the engine's steps from now on (the loop's weight
+    sync); calls sent after it carry `version`."""
+    self.engine.update_variables(variables)
+    self.version = max(self.version, version)
+
+  def close(self) -> None:
+    """Nothing to stop: the engine is the loop's."""
 
   def _advance(self, request: _Request, i: int, sample, now: float) -> None:
     group = request.group

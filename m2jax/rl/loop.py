@@ -9,10 +9,17 @@ sample (m2jax/rl/rollout.py). A multi-step env (a tool task,
 m2jax/rl/envs/tool_tasks.py) runs with `agent="whitebox"`: each sample is
 an episode of the white-box agent (m2jax/agents/whitebox.py, configured
 by `agent_config`) whose every model call is one step of a multi-step
-trajectory (m2jax/rl/agent_rollout.py); its warm start trains on whole
-solved conversations, tool calls and results included, and its eval runs
-greedy episodes. The two rollouts share one interface, so the modes, the
-scheduler and resume are the same.
+trajectory (m2jax/rl/agent_rollout.py); or with `agent="blackbox"`: each
+sample is a session of a separate agent program (agents/blackbox_agent.py)
+recorded by the gateway, every call one step
+(m2jax/rl/blackbox_rollout.py; agent_config's max_turns and
+max_context_tokens bound it). Both warm-start on whole solved
+conversations, tool calls and results included, and evaluate greedy
+white-box episodes (the same prompts either way). The rollouts share one
+interface (submit, poll, take_failed, update_variables, close, ...), so the
+modes, the scheduler and resume are the same; a black-box group that
+fails (module docstring of blackbox_rollout.py) is dropped from the
+scheduler and counted (groups_failed), and another is generated.
 
 One run directory holds everything:
 
@@ -59,7 +66,8 @@ entropy, loss, difficulty_mean, rollouts (samples generated so far, the
 pool's finished count), with MTP drafting (EngineConfig.mtp_draft) the
 rollouts' speculative acceptance mtp/acceptance, mtp/acceptance_at_k and
 mtp/rounds, the MTP co-training terms mtp/kl, mtp/ce, mtp/accept_prob
-(m2jax/rl/mtp_cotrain.py), and eval_reward (greedy, held-out tasks)
+(m2jax/rl/mtp_cotrain.py), groups_failed (black-box groups dropped so
+far), and eval_reward (greedy, held-out tasks)
 every `eval_every` steps.
 """
 
@@ -84,6 +92,7 @@ from m2jax.errors import UserError
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
 from m2jax.rl import agent_rollout
+from m2jax.rl import blackbox_rollout
 from m2jax.rl import envs
 from m2jax.rl import mtp_cotrain
 from m2jax.rl import objectives
@@ -100,7 +109,7 @@ from m2jax.train.config import TrainConfig
 from m2jax.train.metrics import MetricsWriter
 
 MODES = ("sync", "async")
-AGENTS = ("none", "whitebox")   # none: single-turn envs
+AGENTS = ("none", "whitebox", "blackbox")   # none: single-turn envs
 CONFIG_FILE = "config.json"
 POOL_FILE = "pool.sqlite"
 WARM_START_DIR = "warm_start"
@@ -111,8 +120,8 @@ class RLRunConfig:
   """What the run does (the model, optimizer and loss have their own).
 
   env: an environment of m2jax.rl.envs (env_fields: its config fields).
-  agent: "whitebox" for a multi-step env (tool tasks), "none" for a
-    single-turn one (each refuses the other kind).
+  agent: "whitebox" or "blackbox" for a multi-step env (tool tasks),
+    "none" for a single-turn one (each refuses the other kind).
   mode: "sync" or "async" (module docstring).
   steps: policy updates.
   max_rollouts: a rollout budget (0: none): the run ends after the step at
@@ -165,7 +174,7 @@ class RLRunConfig:
       multi = envs.multi_step(self.env)
       if multi and self.agent == "none":
         fail("agent", f"env {self.env!r} is solved with tool calls: run "
-             "it with an agent ('whitebox')")
+             "it with an agent ('whitebox' or 'blackbox')")
       if not multi and self.agent != "none":
         fail("agent", f"env {self.env!r} is single-turn; the {self.agent} "
              "agent runs multi-step tool envs ("
@@ -332,6 +341,11 @@ class _Run:
             f"an agent call's sample of up to {need} tokens (AgentConfig."
             "max_context_tokens + RolloutConfig.max_new_tokens): raise it "
             "or lower max_context_tokens")
+    if run.agent == "blackbox" and (agent_config.summarise
+                                    or agent_config.keep_last_turns):
+      raise UserError("AgentConfig.summarise / keep_last_turns: context "
+                      "management of the white-box agent; the black-box "
+                      "agent does its own (leave them off)")
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       keep=run.keep_checkpoints)
@@ -378,10 +392,15 @@ class _Run:
     groups: dict[str, list] = {}
     for t in self.pool.untrained():
       groups.setdefault(t.group_id, []).append(t)
-    for gid, ts in groups.items():
-      if len(ts) != G:
+    for gid, ts in list(groups.items()):
+      if len(ts) == G:
+        continue
+      if run.agent != "blackbox":
         raise UserError(f"the pool holds {len(ts)} untrained samples of "
                         f"group {gid}, not group_size={G}")
+      # Black-box sessions commit one by one: a group cut by the stop is
+      # completed (or failed) when its task number comes up again.
+      del groups[gid]
     self.present = {ts[0].queue_seq // G for ts in groups.values()}
     self.sched = sched_lib.Scheduler.resume(schedule_config, [
         _Group(gid, ts[0].queue_seq // G, min(t.policy_version for t in ts),
@@ -392,6 +411,7 @@ class _Run:
     self.lock = threading.Condition()
     self._tried: list[float] = []   # rewards of the groups a step read
     self._drafts_seen: dict = {}    # the engine's MTP counters at last read
+    self.groups_failed = 0
 
   # -- pieces shared by both modes --
 
@@ -409,6 +429,11 @@ class _Run:
     if self.agent is None:
       return rollout_lib.Rollout(self.engine, self.env, self.tokenizer, pool,
                                  self.rollout_config, seed=self.run.seed)
+    if self.run.agent == "blackbox":
+      return blackbox_rollout.BlackBoxRollout(
+          self.engine, self.env, self.agent.config, pool,
+          self.rollout_config, seed=self.run.seed,
+          policy_version=self.version)
     return agent_rollout.AgentRollout(self.engine, self.env, self.agent, pool,
                                       self.rollout_config, seed=self.run.seed)
 
@@ -424,6 +449,14 @@ class _Run:
                    {"next_seq": self.next_seq},
                    {"version": self.version,
                     "configs": self._saved_configs()})
+
+  def _drop_failed(self, rollout: rollout_lib.Rollout) -> int:
+    """Groups the rollout could not commit (discarded in the pool already):
+    out of the queue. Returns how many."""
+    failed = [g for g in rollout.take_failed() if g in self.sched]
+    self.sched.drop(failed)
+    self.groups_failed += len(failed)
+    return len(failed)
 
   def _drop_stale(self, rollout: rollout_lib.Rollout, pool) -> None:
     """Groups past max_lag: finished ones discarded in the pool, running
@@ -516,6 +549,7 @@ class _Run:
 
   def _log(self, metrics: dict) -> None:
     metrics["rollouts"] = self.pool.counts()["finished"]
+    metrics["groups_failed"] = self.groups_failed
     if (self.run.eval_every and self.run.eval_tasks
         and self.step % self.run.eval_every == 0
         and self.run.mode == "sync"):
@@ -548,6 +582,12 @@ class _Run:
   def sync(self, stop_after: int | None) -> None:
     """Generate a batch, wait for its verification, train, sync."""
     rollout = self._rollout(self.pool)
+    try:
+      self._sync(rollout, stop_after)
+    finally:
+      rollout.close()
+
+  def _sync(self, rollout, stop_after: int | None) -> None:
     n = self.run.groups_per_step
     while self._more(stop_after):
       started, batch, kept, tried = time.time(), [], 0, 0
@@ -559,6 +599,8 @@ class _Run:
         while rollout.in_flight:
           for gid in rollout.poll():
             self.sched.finish(gid)
+          # A failed group counts as tried: a step's work stays bounded.
+          tried += self._drop_failed(rollout)
           wait = rollout.next_ready_in()
           if wait and not self.engine.has_work():
             time.sleep(wait)
@@ -570,7 +612,7 @@ class _Run:
         kept += len(groups) - len(dropped)
       if batch:
         metrics = self._train(batch, started, idle=0.0, tried=tried)
-        self.engine.update_variables(self.trainer.snapshot())
+        rollout.update_variables(self.trainer.snapshot(), self.version)
       else:
         metrics = self._skip(started, tried)
       self._log(metrics)
@@ -597,30 +639,38 @@ class _Run:
 
     def produce():
       pool = pool_lib.Pool(os.path.join(self.workdir, POOL_FILE))
-      rollout = self._rollout(pool)
+      rollout = None
       version = self.version
       try:
+        rollout = self._rollout(pool)
         while not stop.is_set():
           with self.lock:
-            if weights:
-              version, variables = weights.pop()
-              self.engine.update_variables(variables)
+            new = weights.pop() if weights else None
+          if new is not None:
+            # Outside the lock: a black-box swap waits for calls in flight.
+            version, variables = new
+            rollout.update_variables(variables, version)
+          with self.lock:
             self._drop_stale(rollout, pool)
             while (rollout.in_flight < self.run.in_flight
                    and self.sched.can_submit()):
               self._submit(rollout, version)
           done = rollout.poll()
+          with self.lock:
+            failed = self._drop_failed(rollout)
           if done:
             with self.lock:
               for gid in done:
                 if gid in self.sched:
                   self.sched.finish(gid)
               self.lock.notify_all()
-          elif not self.engine.has_work():
+          elif not failed and not self.engine.has_work():
             time.sleep(min(rollout.next_ready_in() or 0.01, 0.01))
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)
       finally:
+        if rollout is not None:
+          rollout.close()
         pool.close()
         with self.lock:
           self.lock.notify_all()

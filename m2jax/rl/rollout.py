@@ -137,6 +137,10 @@ class Rollout:
     while not done:
       for group_id in rollout.poll():   # verified and in the pool
         scheduler.finish(group_id)
+    rollout.update_variables(new_variables, version + 1)   # weight sync
+
+  Every rollout (agent_rollout.py, blackbox_rollout.py) has these methods
+  and take_failed() and close(), so the loop runs any of them.
   """
 
   def __init__(self, engine: Engine, env, tokenizer, pool: pool_lib.Pool,
@@ -208,6 +212,19 @@ class Rollout:
     if not self._waiting:
       return None
     return max(0.0, self._waiting[0][0] - time.time())
+
+  def take_failed(self) -> list[str]:
+    """Groups that ended uncommitted: none here (a group is one engine
+    request, committed whole); m2jax/rl/blackbox_rollout.py has some."""
+    return []
+
+  def update_variables(self, variables, version: int) -> None:
+    """New weights for the calls from now on (the loop's weight sync)."""
+    del version   # groups carry the version they were submitted with
+    self.engine.update_variables(variables)
+
+  def close(self) -> None:
+    """Nothing to stop: the engine is the loop's."""
 
   def _trajectories(self, group: _Group) -> list[pool_lib.Trajectory]:
     state = np.asarray(group.prompt, np.int32)

@@ -21,6 +21,13 @@ carries the version that produced it. `swap_weights` installs new weights
 (and the version) once the requests in flight have finished; requests that
 arrive meanwhile wait and are served by the new weights. RL reads the
 version to know how off-policy a rollout is.
+
+Sharing an engine. `EngineLoop(..., engine=e)` serves an engine someone
+else holds (the RL loop's, m2jax/rl/blackbox_rollout.py): a swap updates
+its weights in place (`Engine.update_variables`), so the holder's object
+stays current, and the thread steps it only while requests of its own are
+in flight, so the holder may use it in between (never while they are).
+`max_seq_len` may lower the longest sequence served below the engine's.
 """
 
 from __future__ import annotations
@@ -63,19 +70,23 @@ class EngineLoop:
   """The thread that owns the engine (module docstring)."""
 
   def __init__(self, model_config, variables, engine_config: EngineConfig,
-               *, tokenizer=None, mesh=None, policy_version: int = 0):
+               *, tokenizer=None, mesh=None, policy_version: int = 0,
+               engine: Engine | None = None, max_seq_len: int | None = None):
     self._args = dict(model_config=model_config,
                       engine_config=engine_config, tokenizer=tokenizer,
                       mesh=mesh)
     self.tokenizer = tokenizer
-    self.engine = self._new_engine(variables)
+    self.shared = engine is not None
+    self.engine = engine if self.shared else self._new_engine(variables)
     self.variables = variables
+    self._max_seq_len = max_seq_len
     self.policy_version = policy_version
     self.stats = collections.Counter()
     self._commands: queue.Queue = queue.Queue()
     self._tickets: dict[int, Ticket] = {}
     self._swap: tuple[Any, int, concurrent.futures.Future] | None = None
     self._deferred: list[Ticket] = []
+    self._aborted = False
     self._thread = threading.Thread(target=self._run, name="engine-loop",
                                     daemon=True)
 
@@ -84,9 +95,24 @@ class EngineLoop:
     return Engine(a["model_config"], variables, a["engine_config"],
                   tokenizer=a["tokenizer"], mesh=a["mesh"])
 
+  @classmethod
+  def around(cls, engine: Engine, *, policy_version: int = 0,
+             max_seq_len: int | None = None) -> "EngineLoop":
+    """A loop serving `engine`, which its holder keeps (module docstring)."""
+    return cls(engine.model_config, engine.variables, engine.config,
+               tokenizer=engine.tokenizer, mesh=engine.mesh,
+               policy_version=policy_version, engine=engine,
+               max_seq_len=max_seq_len)
+
   @property
   def max_seq_len(self) -> int:
-    return self.engine.max_seq_len
+    if self._max_seq_len is None:
+      return self.engine.max_seq_len
+    return min(self.engine.max_seq_len, self._max_seq_len)
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive()
 
   # ------------------------------------------------- called by handlers --
 
@@ -115,15 +141,25 @@ class EngineLoop:
 
   # ------------------------------------------------------ the thread ----
 
+  def _busy(self) -> bool:
+    """Whether the engine has work of this loop's to step: a shared
+    engine's holder may use it while none is in flight (aborted requests
+    are, until a step has dropped them)."""
+    if not self.engine.has_work():
+      self._aborted = False
+      return False
+    return not self.shared or bool(self._tickets) or self._aborted
+
   def _run(self) -> None:
     while True:
-      idle = not self.engine.has_work()
+      idle = not self._busy()
       try:
         command = self._commands.get(block=idle, timeout=0.5 if idle else None)
       except queue.Empty:
         command = None
       while command is not None:
         if command[0] == "stop":
+          self._drop_all()
           return
         self._handle(command)
         try:
@@ -132,8 +168,18 @@ class EngineLoop:
           command = None
       if self._swap is not None and not self.engine.has_work():
         self._install_swap()
-      if self.engine.has_work():
+      if self._busy():
         self._step()
+
+  def _drop_all(self) -> None:
+    """At the stop: abort what is in flight (its KV pages freed, for a
+    shared engine's holder) and fail a pending swap."""
+    for ticket in list(self._tickets.values()) + self._deferred:
+      self._abort(ticket)
+      ticket.post("error", 503, "the server is stopping", None)
+    if self._swap is not None:
+      self._swap[2].set_exception(RuntimeError("the engine loop stopped"))
+      self._swap = None
 
   def _handle(self, command) -> None:
     kind = command[0]
@@ -165,6 +211,7 @@ class EngineLoop:
       self.engine.abort(ticket.rid)
       self.engine.release(ticket.rid)
       del self._tickets[ticket.rid]
+      self._aborted = True   # its sequences leave at the next step
       self.stats["aborted"] += 1
 
   def _step(self) -> None:
@@ -172,7 +219,9 @@ class EngineLoop:
       events = self.engine.step()
     except Exception as e:  # pylint: disable=broad-except
       # A failed step leaves the engine's state unknown (its buffers are
-      # donated): fail what was in flight and start a fresh engine.
+      # donated): fail what was in flight and start a fresh engine (a
+      # shared engine's holder keeps the failed one: engine_failures says
+      # so).
       log.error("engine step failed:\n%s", traceback.format_exc())
       self.stats["engine_failures"] += 1
       message = f"the engine failed: {type(e).__name__}: {e}"
@@ -205,7 +254,11 @@ class EngineLoop:
     variables, version, done = self._swap
     self._swap = None
     try:
-      engine = self._new_engine(variables)
+      if self.shared:
+        self.engine.update_variables(variables)
+        engine = self.engine
+      else:
+        engine = self._new_engine(variables)
     except Exception as e:  # pylint: disable=broad-except
       done.set_exception(e)
     else:
