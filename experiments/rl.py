@@ -94,6 +94,9 @@ flags.DEFINE_float("reward_beta", 0.0, "Weight of the speed reward "
 flags.DEFINE_float("reward_gamma", 1.0, "Discount of the reward-to-go.")
 flags.DEFINE_float("speed_min", -1.0, "Lower clip of the speed reward.")
 flags.DEFINE_float("speed_max", 1.0, "Upper clip of the speed reward.")
+flags.DEFINE_enum("reward_baseline", "step", ["step", "trajectory"], "What "
+                  "each step's reward-to-go is compared with: the group's "
+                  "mean at that step, or its mean return (rewards.py).")
 flags.DEFINE_enum("mode", "sync", list(loop.MODES), "sync: generate, then "
                   "train; async: rollouts and training overlap.")
 flags.DEFINE_enum("schedule", "windowed", list(sched_lib.POLICIES),
@@ -174,7 +177,7 @@ RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef", "mtp_loss": "mtp_loss",
             "mtp_detach": "mtp_detach"}
 REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
                 "reward_gamma": "gamma", "speed_min": "speed_min",
-                "speed_max": "speed_max"}
+                "speed_max": "speed_max", "reward_baseline": "baseline"}
 AGENT_FLAGS = {"max_turns": "max_turns", "keep_last_turns": "keep_last_turns",
                "summarise": "summarise",
                "max_context_tokens": "max_context_tokens"}
@@ -241,7 +244,7 @@ def _fresh_configs(mcfg: ModelConfig):
   rewards = rewards_lib.RewardConfig(
       alpha=FLAGS.reward_alpha, beta=FLAGS.reward_beta,
       gamma=FLAGS.reward_gamma, speed_min=FLAGS.speed_min,
-      speed_max=FLAGS.speed_max)
+      speed_max=FLAGS.speed_max, baseline=FLAGS.reward_baseline)
   context = FLAGS.max_context_tokens or (
       FLAGS.row_len - FLAGS.max_new_tokens if FLAGS.agent != "none"
       else whitebox.AgentConfig.max_context_tokens)

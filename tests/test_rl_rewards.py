@@ -50,7 +50,8 @@ def test_reward_config_names_the_bad_field():
   for field, value in (("alpha", -0.1), ("alpha", math.inf), ("beta", -1.0),
                        ("beta", math.nan), ("gamma", 1.5), ("gamma", -0.1),
                        ("speed_min", 0.1), ("speed_min", -math.inf),
-                       ("speed_max", -0.1), ("eps", 0.0)):
+                       ("speed_max", -0.1), ("eps", 0.0),
+                       ("baseline", "episode")):
     with pytest.raises(ConfigError, match=f"RewardConfig.{field}:"):
       rw.RewardConfig(**{field: value})
   rw.RewardConfig(alpha=0.0, beta=0.0, gamma=0.0, speed_min=0.0,
@@ -115,7 +116,7 @@ def test_rewards_to_go_against_the_double_sum(gamma):
 
 # The hand-computed example: alpha 0.5, beta 1, gamma 0.5, h on [-1, 1];
 # three groups of 3, 2 and 1 trajectories of 1 to 3 steps, interleaved.
-HAND = rw.RewardConfig(alpha=0.5, beta=1.0, gamma=0.5)
+HAND = rw.RewardConfig(alpha=0.5, beta=1.0, gamma=0.5, baseline="trajectory")
 
 
 def _hand_trajectories():
@@ -173,8 +174,33 @@ def test_step_advantages_hand_computed():
     assert ms == pytest.approx(1.0, rel=1e-5)
 
 
+def test_step_baseline_hand_computed_and_equal_episodes_get_nothing():
+  """baseline="step": b_t is the group's mean G_t over its trajectories
+  with a step t. A group whose episodes all earned the same rewards gets
+  A = 0 at every step; the "trajectory" baseline pushes their later steps
+  down (G_t < G_0 once a process reward is behind them), which collapsed
+  the multiply task's answers in a CPU run."""
+  trajs = _hand_trajectories()
+  step = dataclasses.replace(HAND, baseline="step")
+  plain = rw.step_advantages(trajs, step, std=False)
+  b = {"a": [(0.95 + 0.0 - 0.1) / 3, (1.7 - 0.2) / 2, -0.4],
+       "b": [0.75, 0.0], "c": [0.6, 1.2]}
+  for i, t in enumerate(trajs):
+    want = [g - b[t.group_id][k] for k, g in enumerate(HAND_G[i])]
+    np.testing.assert_allclose(plain[i], want, rtol=1e-6, atol=1e-7)
+  # Four episodes: a valid tool call (process reward 0.1), then a wrong
+  # answer (outcome 0): nobody did better than anybody.
+  same = [_traj(f"s{i}", "g", [0.1, 0.0], 0.0, seq=i) for i in range(4)]
+  for adv in rw.step_advantages(same, rw.RewardConfig()):
+    np.testing.assert_array_equal(adv, [0.0, 0.0])
+  old = rw.step_advantages(same, rw.RewardConfig(baseline="trajectory"),
+                           std=False)
+  assert all(a[1] < 0 for a in old)
+
+
 def _reference_advantages(trajs, config, std):
-  """The module docstring's formulas written out with loops."""
+  """The module docstring's formulas written out with loops (either
+  baseline)."""
   G = []
   for t in trajs:
     n = len(t.steps)
@@ -190,20 +216,27 @@ def _reference_advantages(trajs, config, std):
   out = []
   for i, t in enumerate(trajs):
     members = [j for j, u in enumerate(trajs) if u.group_id == t.group_id]
-    b = sum(G[j][0] for j in members) / len(members)
-    s = math.sqrt(sum(sum((x - b) ** 2 for x in G[j]) / len(G[j])
-                      for j in members) / len(members))
-    out.append([(x - b) / ((s + config.eps) if std else 1.0) for x in G[i]])
+
+    def b(step):
+      if config.baseline == "trajectory":
+        return sum(G[j][0] for j in members) / len(members)
+      there = [G[j][step] for j in members if len(G[j]) > step]
+      return sum(there) / len(there)
+    s = math.sqrt(sum(sum((x - b(k)) ** 2 for k, x in enumerate(G[j]))
+                      / len(G[j]) for j in members) / len(members))
+    out.append([(x - b(k)) / ((s + config.eps) if std else 1.0)
+                for k, x in enumerate(G[i])])
   return out
 
 
+@pytest.mark.parametrize("baseline", rw.BASELINES)
 @pytest.mark.parametrize("std", [True, False])
-def test_step_advantages_against_loops_on_random_groups(std):
+def test_step_advantages_against_loops_on_random_groups(std, baseline):
   """Groups of 1 to 5 trajectories of 1 to 5 steps, random process and
   outcome rewards, half of them timed (some past the clip bounds)."""
   rng = np.random.default_rng(11)
   config = rw.RewardConfig(alpha=0.7, beta=0.3, gamma=0.9, speed_min=-0.5,
-                           speed_max=0.8)
+                           speed_max=0.8, baseline=baseline)
   trajs, seq = [], 0
   for g, size in enumerate([3, 1, 5, 2, 4]):
     for _ in range(size):
@@ -242,7 +275,8 @@ def test_single_step_outcome_only_is_grpo_exactly():
   multi = [_traj(f"m{i}", g, [0.0] * (1 + i % 3), r, rng=rng, seq=i)
            for i, (g, r) in enumerate(zip(groups, outcomes))]
   want = objectives.group_advantages(outcomes, groups)
-  for adv, w in zip(rw.step_advantages(multi, rw.RewardConfig()), want):
+  trajectory = rw.RewardConfig(baseline="trajectory")
+  for adv, w in zip(rw.step_advantages(multi, trajectory), want):
     np.testing.assert_allclose(adv, np.full(adv.shape, w), rtol=1e-6,
                                atol=1e-7)
 

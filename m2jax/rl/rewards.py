@@ -7,11 +7,13 @@ model call):
   r_t = alpha * r_process,t + [t = T-1] * (beta * r_speed + r_perf)
   r_speed = h(T_completion / T_baseline)
   G_t = sum_{tau >= t} gamma^(tau - t) r_tau             (reward-to-go)
-  A_t = (G_t - b) / (s + eps)    (RLConfig.advantage_std; else G_t - b)
-  b = mean of G_0 over the trajectories of i's GRPO group (same
-      Trajectory.group_id in the batch): the trajectory-level baseline
+  A_t = (G_t - b_t) / (s + eps)  (RLConfig.advantage_std; else G_t - b_t)
+  b_t = mean of G_{j,t} over the trajectories j of i's GRPO group (same
+      Trajectory.group_id in the batch) that have a step t
+      (RewardConfig.baseline "step", the default), or b_t = b = the
+      group's mean of G_0 for every t ("trajectory")
   s^2 = mean over the group's trajectories j of
-          mean over j's steps t of (G_{j,t} - b)^2
+          mean over j's steps t of (G_{j,t} - b_t)^2
 
 Every token of step t's action is trained with A_t (trainer.build_batches).
 
@@ -30,9 +32,13 @@ Linear in the time saved, so a second saved is worth the same on a slow and
 a fast run of one task; the bounds keep one very slow run (a hung tool)
 from outweighing its outcome.
 
-Baseline. b is trajectory-level: one value per group, the mean return from
-the start, the same b for every step of every trajectory in the group (the
-SPEC's "reward-to-go with a trajectory-level baseline").
+Baseline. The SPEC's "reward-to-go with a trajectory-level baseline" read
+literally is "trajectory": one b per group, the mean return from the start,
+for every step. It fails with process rewards (RewardConfig says how), so
+the default "step" compares each step's reward-to-go with the group's mean
+at the same step index: the trajectories' own group is still the baseline,
+taken where each step stands in its episode. One step, or rewards only at
+the end with gamma = 1, make the two the same.
 
 Scale. s is the root mean square of the advantages before scaling, each
 trajectory weighing as one whatever its length: GRPO's std where G is
@@ -41,7 +47,7 @@ alone: a group whose G_0 are all equal (one trajectory; or equal outcomes
 and lengths with gamma < 1) has std 0, while its later steps' G_t differ
 from b (discounting, process rewards already earned), and (G_t - b) / eps
 would be ~1e6. With s as above, |A_t| <= sqrt(trajectories in the group *
-steps of the trajectory), and a group with every G_{j,t} = b gets A = 0.
+steps of the trajectory), and a group with every G_{j,t} = b_t gets A = 0.
 
 What it reduces to. One step, no process reward, no times: G_0 = r_perf
 and A = objectives.group_advantages(r_perf), GRPO's advantage, exactly.
@@ -69,6 +75,9 @@ COMPLETION_KEY = "completion_s"
 BASELINE_KEY = "baseline_s"
 
 
+BASELINES = ("step", "trajectory")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   """The composite reward and its advantages (module docstring).
@@ -82,6 +91,16 @@ class RewardConfig:
   speed_min, speed_max: the bounds of h(x) = clip(1 - x, ., .); they
     bracket 0 so that h(1) = 0.
   eps: added to the group std before dividing (a group of equal returns).
+  baseline: what G_t is compared with. "step" (default): b_t, the group's
+    mean of G_{j,t} over its trajectories that have a step t. "trajectory":
+    b, the group's mean return G_0, the same for every step (the SPEC's
+    literal reading). Both are unbiased (neither depends on the action);
+    "trajectory" is not usable with process rewards: when every episode of
+    a group earns the same process reward on its first call and nothing
+    else, every later step gets G_t - b < 0 and is pushed down, though no
+    episode did better than another (measured: the multiply task's final
+    answers and then its tool-call format collapsed within 3 steps, see
+    benchmarks/notes/agents.md). "step" gives such a group A = 0.
   Whether to divide is RLConfig.advantage_std (the objective's config, its
   one home).
   """
@@ -91,8 +110,12 @@ class RewardConfig:
   speed_min: float = -1.0
   speed_max: float = 1.0
   eps: float = objectives.ADVANTAGE_EPS
+  baseline: str = "step"
 
   def __post_init__(self):
+    if self.baseline not in BASELINES:
+      raise ConfigError(f"RewardConfig.baseline: must be one of {BASELINES} "
+                        f"(got {self.baseline!r})")
     for name in ("alpha", "beta"):
       value = getattr(self, name)
       if not 0 <= value < math.inf:
@@ -194,9 +217,19 @@ def step_advantages(trajectories: Sequence[pool_lib.Trajectory],
   G = [rewards_to_go(step_rewards(t, config), config.gamma)
        for t in trajectories]
   group_of = [t.group_id for t in trajectories]
-  b_N, _ = objectives.group_mean_std([g[0] for g in G], group_of,
-                                     what="step_advantages")
-  centred = [g - b for g, b in zip(G, b_N)]
+  if config.baseline == "trajectory":
+    b_N, _ = objectives.group_mean_std([g[0] for g in G], group_of,
+                                       what="step_advantages")
+    centred = [g - b for g, b in zip(G, b_N)]
+  else:  # b_t: the group's mean G_t over its trajectories with a step t
+    sums: dict = {}
+    for g, group in zip(G, group_of):
+      for t, value in enumerate(g):
+        total, count = sums.get((group, t), (0.0, 0))
+        sums[(group, t)] = (total + value, count + 1)
+    centred = [g - np.asarray([sums[(group, t)][0] / sums[(group, t)][1]
+                               for t in range(len(g))])
+               for g, group in zip(G, group_of)]
   if not std:
     return [c.astype(np.float32) for c in centred]
   # One trajectory, one weight: the mean square of its steps, then the
