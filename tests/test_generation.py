@@ -145,8 +145,11 @@ def test_greedy_logprobs_are_the_models():
   prompt = _prompts(4, [7])[0]
   eng = Engine(CFG, v, ENGINE)
   [[s]] = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
-  seq = jnp.asarray([prompt + s.tokens], jnp.int32)
-  lp = jax.nn.log_softmax(model.logits(CFG, v, seq)[0], axis=-1)
+  # The sequence in the 64-token buffer of _greedy_reference: its compiled
+  # forward (causality makes the unfilled tail irrelevant).
+  seq = np.zeros((1, 64), np.int32)
+  seq[0, :len(prompt) + len(s.tokens)] = prompt + s.tokens
+  lp = jax.nn.log_softmax(_logits(CFG, v, seq)[0], axis=-1)
   want = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(s.tokens)]
   np.testing.assert_allclose(s.logprobs, want, atol=1e-5)
 
