@@ -392,7 +392,8 @@ def test_failed_groups_partial_groups_and_close(tmp_path):
   finally:
     rollout.close()
   assert rollout._proc.returncode == 0   # pylint: disable=protected-access
-  states = [rollout._stored(t) for t in ids[8]]   # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  states = [rollout._stored(t) for t in ids[8]]
   assert "discarded" in states and set(states) <= {None, "discarded"}
   with pytest.raises(OSError):
     import urllib.request  # pylint: disable=import-outside-toplevel
