@@ -16,7 +16,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,7 +27,7 @@ from m2jax.data import ByteTokenizer, chat
 from m2jax.errors import UserError
 from m2jax.infer.engine import EngineError, Event, Sample
 from m2jax.infer.sampling import SamplingParams
-from m2jax.rl import agent_rollout, blackbox_rollout, envs, loop
+from m2jax.rl import agent_rollout, blackbox_rollout, loop
 from m2jax.rl import pool as pool_lib
 from m2jax.rl import rollout as rollout_lib
 from m2jax.rl import step as rl_step
