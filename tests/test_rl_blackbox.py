@@ -16,7 +16,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -28,7 +27,7 @@ from m2jax.data import ByteTokenizer, chat
 from m2jax.errors import UserError
 from m2jax.infer.engine import EngineError, Event, Sample
 from m2jax.infer.sampling import SamplingParams
-from m2jax.rl import agent_rollout, blackbox_rollout, envs, loop
+from m2jax.rl import agent_rollout, blackbox_rollout, loop
 from m2jax.rl import pool as pool_lib
 from m2jax.rl import rollout as rollout_lib
 from m2jax.rl import step as rl_step
@@ -129,30 +128,31 @@ class ScriptedEngine:
   """The Engine's interface (what the rollouts and the engine loop use)
   over `_policy`: sample k of a request with seed s writes
   _policy(prompt, s + k), three tokens a step, log-probs a function of the
-  seed. Records each request's prompt, seed and returned tokens; requests
-  whose seed is in `refuse` are refused (EngineError)."""
+  seed. Records each request's prompt, seed and returned tokens; a request
+  whose seed is in `refuse` raises the exception class given there."""
 
   def __init__(self):
     self.model_config, self.config, self.tokenizer = CFG, ENGINE, TOK
     self.mesh, self.variables, self.max_seq_len = None, {"v": 0}, 4096
-    self.requests, self.returned, self.refuse = {}, [], set()
+    self.requests, self.returned, self.refuse = {}, [], {}
     self._next = 0
 
   def add_request(self, prompt_ids, params):
     if params.seed in self.refuse:
-      raise EngineError(f"seed {params.seed} is refused")
+      raise self.refuse[params.seed](f"seed {params.seed} is refused")
     prompt = [int(t) for t in prompt_ids]
     text = TOK.decode(np.asarray(prompt, np.int32))
     samples = []
+    seed = params.seed or 0
     for k in range(params.n):
-      tokens = [int(t) for t in TOK.encode(_policy(text, params.seed + k))]
+      tokens = [int(t) for t in TOK.encode(_policy(text, seed + k))]
       reason = "stop"
       if len(tokens) > params.max_tokens:
         tokens, reason = tokens[:params.max_tokens], "length"
-      logprobs = [-0.01 * ((params.seed + k) % 7 + 1)] * len(tokens)
+      logprobs = [-0.01 * ((seed + k) % 7 + 1)] * len(tokens)
       samples.append([tokens, logprobs, reason, 0])
     rid, self._next = self._next, self._next + 1
-    self.requests[rid] = (prompt, params.seed, samples)
+    self.requests[rid] = (prompt, seed, samples)
     return rid
 
   def has_work(self):
@@ -346,7 +346,7 @@ def test_failed_groups_partial_groups_and_close(tmp_path):
   try:
     rollout.submit(5, version=0)
     assert _drain(rollout) == (["g00000005"], [])
-    engine.refuse = {rollout_lib.group_seed(SEED, 6) + 1}
+    engine.refuse = {rollout_lib.group_seed(SEED, 6) + 1: EngineError}
     rollout.submit(6, version=0)
     assert _drain(rollout) == ([], ["g00000006"])
     assert rollout.stats["agent_errors"] == 1
@@ -354,10 +354,12 @@ def test_failed_groups_partial_groups_and_close(tmp_path):
     assert event.kind == "discarded" and event.reason.startswith(
         "group failed: g00000006-1 empty (agent error: HTTP 400")
     assert ref.counts()["untrained"] == G
-    engine.refuse = {rollout_lib.group_seed(SEED, 7)}
+    # An engine bug in one request (a 500) fails that session alone.
+    engine.refuse = {rollout_lib.group_seed(SEED, 7): TypeError}
     rollout.submit(7, version=0)
     with pytest.raises(RuntimeError, match="2 black-box groups failed in a "
-                       "row; the last: g00000007-0 empty"):
+                       r"row; the last: g00000007-0 empty \(agent error: "
+                       "HTTP 500"):
       _drain(rollout)
   finally:
     rollout.close()
@@ -389,7 +391,8 @@ def test_failed_groups_partial_groups_and_close(tmp_path):
   finally:
     rollout.close()
   assert rollout._proc.returncode == 0   # pylint: disable=protected-access
-  states = [rollout._stored(t) for t in ids[8]]   # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  states = [rollout._stored(t) for t in ids[8]]
   assert "discarded" in states and set(states) <= {None, "discarded"}
   with pytest.raises(OSError):
     import urllib.request  # pylint: disable=import-outside-toplevel

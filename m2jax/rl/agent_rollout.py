@@ -16,12 +16,13 @@ A trajectory has one Step per model call: the exact prompt tokens sent
 (state), the tokens and behaviour log-probs received (action, logprobs),
 the policy version the call was sent under (the newest the rollout was
 told of, at a `submit` or an `update_variables`: in async mode weights
-may change between an episode's calls) and the env's process reward of the call. The
-trajectory's reward is the outcome: env.verify(task, answer) on the
-episode's final answer ("" when it ended without one). `verification`
-holds the verifier's detail and correct, end ("answer", "max_turns",
-"context"), turns, tool_calls, tool_errors, dropped_turns, finish_reason
-(the engine's, of the last call), completion_s and baseline_s.
+may change between an episode's calls) and the env's process reward of
+the call. The trajectory's reward is the outcome: env.verify(task,
+answer) on the episode's final answer ("" when it ended without one).
+`verification` holds the verifier's detail and correct, end ("answer",
+"max_turns", "context"), turns, tool_calls, tool_errors, dropped_turns,
+finish_reason (the engine's, of the last call), completion_s and
+baseline_s.
 
 Environment time (simulated seconds, the env's latency model): each model
 call counts env.call_s and each turn's tool calls env.tool_seconds (run in

@@ -200,6 +200,13 @@ class EngineLoop:
     except UserError as e:      # e.g. a prompt longer than the KV pool
       ticket.post("error", 400, str(e), "prompt")
       return
+    except Exception as e:  # pylint: disable=broad-except
+      # A bug, not the request's fault: that request fails, the loop (and
+      # every other request) goes on.
+      log.error("engine add_request failed:\n%s", traceback.format_exc())
+      ticket.post("error", 500, f"the engine refused the request: "
+                  f"{type(e).__name__}: {e}", None)
+      return
     self._tickets[ticket.rid] = ticket
     self.stats["requests"] += 1
     ticket.post("added", self.policy_version)
