@@ -69,8 +69,12 @@ def _check_values_and_grads(seed, m, k, n, g, kind, **kw):
   cot = np.asarray(jnp.asarray(cot, BF16).astype(jnp.float32), np.float64)
   args = (jnp.asarray(lhs, BF16), jnp.asarray(rhs, BF16), jnp.asarray(sizes))
 
-  out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, args[2], **kw), *args[:2])
-  dlhs, drhs = vjp(jnp.asarray(cot, BF16))
+  @jax.jit  # one compile, not one per operation
+  def forward_and_vjp(a, b, group_sizes, cot):
+    out, vjp = jax.vjp(lambda a, b: gmm_lib.gmm(a, b, group_sizes, **kw), a, b)
+    return (out, *vjp(cot))
+
+  out, dlhs, drhs = forward_and_vjp(*args, jnp.asarray(cot, BF16))
   rows = np.arange(m)[:, None] < sizes.sum()
   assert _rel(out, _ref_gmm(lhs, rhs, sizes)) < 1e-2
   assert np.all(np.asarray(out, np.float32)[~rows[:, 0]] == 0)
@@ -121,8 +125,9 @@ def test_schedule_covers_each_row_once():
   for m in (1, 7, 128, 129, 300, 640):
     g = int(rng.integers(1, 12))
     sizes = _groups(rng, m, g, rng.choice(["uniform", "with_zeros_and_tail"]))
-    group, row, lo, hi, nt = map(np.asarray, gmm_mosaic.row_tile_schedule(
-        jnp.asarray(sizes), m, 128))
+    group, row, lo, hi, nt = map(np.asarray, jax.jit(
+        gmm_mosaic.row_tile_schedule, static_argnums=(1, 2))(
+            jnp.asarray(sizes), m, 128))
     owner = np.full(m, -2)
     for t in range(int(nt[0])):
       assert row[t] % 8 == 0
@@ -150,8 +155,8 @@ def test_swiglu_fused_kernel_and_vjp():
   # autodiff of the reference backend.
   f = lambda be, it: (lambda *p: jnp.sum(gmm_lib.gmm_swiglu(
       *p, gs, backend=be, interpret=it).astype(jnp.float32) ** 2))
-  got = jax.grad(f("triton", True), argnums=(0, 1, 2))(x, a, b)
-  want = jax.grad(f("xla", False), argnums=(0, 1, 2))(x, a, b)
+  got = jax.jit(jax.grad(f("triton", True), argnums=(0, 1, 2)))(x, a, b)
+  want = jax.jit(jax.grad(f("xla", False), argnums=(0, 1, 2)))(x, a, b)
   for g1, g2 in zip(got, want):
     assert _rel(g1, np.asarray(g2.astype(jnp.float32), np.float64)) < 2e-2
 

@@ -170,7 +170,7 @@ def test_causality_by_gradient():
     params = dict(v["params"], embedding=emb)
     return model.logits(cfg, dict(v, params=params), tok)[0, t].sum()
 
-  g = jax.grad(f)(v["params"]["embedding"])
+  g = jax.jit(jax.grad(f))(v["params"]["embedding"])  # one compile
   row_norm = jnp.abs(g[tok[0]]).sum(-1)
   assert np.all(np.asarray(row_norm[t + 1:]) == 0.0)
   assert np.all(np.asarray(row_norm[:t + 1]) > 0.0)
@@ -247,10 +247,10 @@ def test_moe_equals_dense_per_expert_loop():
   x = jax.random.normal(jax.random.key(3), (2, 6, D))
   seg = jnp.ones((2, 6), jnp.int32)
   valid = seg != 0
-  v = nn.meta.unbox(mod.init(jax.random.key(4), x, seg, valid))
+  v = nn.meta.unbox(jax.jit(mod.init)(jax.random.key(4), x, seg, valid))
   v = {"params": v["params"],
        "expert_bias": {"bias": jax.random.normal(jax.random.key(5), (E,))}}
-  y, _ = mod.apply(v, x, seg, valid)
+  y, _ = jax.jit(mod.apply)(v, x, seg, valid)
 
   p, bias = v["params"], v["expert_bias"]["bias"]
   xt = np.asarray(x.reshape(-1, D), np.float64)
@@ -334,7 +334,7 @@ def test_mtp_missing_params_is_a_clear_error():
   with pytest.raises(ValueError, match="MTP modules"):
     model.forward(CFG, dict(v, params=params), _tokens((1, 4)), mtp_depth=1)
   # Without MTP the same variables still give logits.
-  model.logits(CFG, dict(v, params=params), _tokens((1, 4)))
+  _forward(CFG)(dict(v, params=params), _tokens((1, 4)))
 
 
 def _brute_mask(seg, pos, window, sinks):
