@@ -9,6 +9,11 @@ by the program, the jax version and the flags, so it never hands a test
 another program; tests that need their own cache set the variable
 themselves. An explicit JAX_COMPILATION_CACHE_DIR in the environment wins.
 
+Programs that compiled in 0.2 s or more are cached (JAX's default is 1 s):
+with the flags below most compile in less than a second, and the processes
+of a test (a run and its resume, the documented commands on one run) and
+pytest's two workers compile many of the same ones.
+
 XLA's CPU backend without its LLVM optimisations (FAST_COMPILE, added to
 XLA_FLAGS for the session and the subprocesses that inherit it): compiling
 dominates the suite and the arrays are tiny, so optimised machine code
@@ -29,6 +34,7 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 "
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(tempfile.gettempdir(), f"m2jax-test-xla-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
       [f for f in [os.environ.get("XLA_FLAGS"), FAST_COMPILE] if f])

@@ -38,9 +38,11 @@ from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-pos
 
 # Mesh (+ a label) -> how the step runs: "data=2,expert=2,tensor=2" also
 # splits each device's tokens into two exchanges, "slabs" exchanges
-# fixed-size per-peer slabs (worst-case size: nothing dropped).
-MESHES = {"data=8": Settings(), "data=2,fsdp=2,expert=2": Settings(),
-          "fsdp=2,expert=4": Settings(),
+# fixed-size per-peer slabs (worst-case size: nothing dropped). The mesh
+# data=2,fsdp=2,expert=2 is check_pretrain's: its whole train step (loss,
+# gradients through two AdamW updates, the bias from the load, the drop
+# counter) is checked against one device there.
+MESHES = {"data=8": Settings(), "fsdp=2,expert=4": Settings(),
           "data=2,expert=2,tensor=2": Settings(exchange_chunks=2),
           "fsdp=2,expert=4 slabs": Settings(all_to_all="slabs")}
 # TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.

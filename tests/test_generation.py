@@ -325,7 +325,9 @@ _PATTERN = np.array([11, 23, 35, 47, 59, 71, 83])
 
 @functools.lru_cache(maxsize=None)
 def _trained_spec_variables():
-  tc = TrainConfig(steps=80, learning_rate=1e-2, warmup_steps=5,
+  # 40 steps learn the pattern as well as 80 did (same final loss, the same
+  # greedy and sampled tokens and acceptance in the tests below, measured).
+  tc = TrainConfig(steps=40, learning_rate=1e-2, warmup_steps=5,
                    mtp_depth=3, mtp_weight=1.0, mtp_weight_final=1.0)
   state = state_lib.init_state(_SPEC_CFG, tc,
                                model.init(_SPEC_CFG, jax.random.key(0)))

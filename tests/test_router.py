@@ -176,8 +176,9 @@ def test_model_aux_loss_is_the_mean_over_packed_documents():
 def test_measure_routing_counts_each_real_token_of_every_layer():
   """model.measure_routing runs the whole forward: K choices per counted
   token in each main layer's load, padding not counted."""
-  stats = model.measure_routing(CFG, _variables(CFG),
-                                _row_batch(CFG)["tokens"], segment_ids=ROW_SEG)
+  measure = jax.jit(functools.partial(model.measure_routing, CFG))  # 1 compile
+  stats = measure(_variables(CFG), _row_batch(CFG)["tokens"],
+                  segment_ids=ROW_SEG)
   K, L = CFG.num_experts_per_tok, CFG.num_layers
   assert stats.load_E.shape == (L, CFG.num_experts)
   assert stats.aux_loss.shape == stats.entropy.shape == (L,)

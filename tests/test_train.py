@@ -42,10 +42,12 @@ def _corpus(tmp_path):
 
 
 def _configs(tmp_path, **train):
+  # One train config (40 steps) for the tests that train MCFG in-process:
+  # one compiled step serves them; shorter tests stop early (stop_after).
   dcfg = DataConfig(source=_corpus(tmp_path), seq_len=32, batch_size=2,
                     validation_fraction=0.2)
-  tcfg = TrainConfig(**{"steps": 12, "learning_rate": 3e-3, "warmup_steps": 2,
-                        "log_every": 1, "eval_every": 6, "eval_batches": 2,
+  tcfg = TrainConfig(**{"steps": 40, "learning_rate": 3e-3, "warmup_steps": 2,
+                        "log_every": 1, "eval_every": 20, "eval_batches": 2,
                         "checkpoint_every": 3, **train})
   return dcfg, tcfg
 
@@ -63,7 +65,7 @@ def test_wsd_schedule_and_mtp_anneal():
 
 
 def test_loss_falls_and_outputs_exist(tmp_path):
-  dcfg, tcfg = _configs(tmp_path, steps=40, eval_every=20)
+  dcfg, tcfg = _configs(tmp_path)
   workdir = str(tmp_path / "run")
   summary = pretrain(MCFG, tcfg, dcfg, workdir, progress=False,
                      sample_tokens=8)
@@ -153,7 +155,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, capsys):
         with open(os.path.join(root, name), "wb") as f:
           f.write(b"garbage")
   summary = pretrain(MCFG, tcfg, dcfg, workdir, progress=False, resume=True,
-                     sample_tokens=0)
+                     stop_after=12, sample_tokens=0)
   out = capsys.readouterr().out
   assert "checkpoint step 6 is corrupt or partial" in out
   assert "resumed from step 3" in out

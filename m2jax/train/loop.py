@@ -153,8 +153,8 @@ def _place_state(state, mcfg: ModelConfig, tcfg: TrainConfig, mesh=None):
     raise ValueError("init_state does not have the layout of a train state "
                      "for this model and train config")
   step = int(np.asarray(state.step))
-  if mesh is None:
-    return jax.device_put(state), step
+  if mesh is None:  # committed, as create_state's and a restored state are
+    return jax.device_put(state, jax.devices()[0]), step
   return sharding.place(state,
                         state_lib.state_shardings(mcfg, tcfg, mesh)), step
 

@@ -81,7 +81,11 @@ def create_state(model_config: ModelConfig, train_config: TrainConfig,
   if mesh is None:
     if variables is None:
       variables = model.init(model_config, jax.random.key(train_config.seed))
-    return init_state(model_config, train_config, variables)
+    # Committed to the device, as a restored state is: a train step then
+    # compiles once for a fresh and a resumed state (and for a fresh state
+    # whose variables were restored, as SFT's --init, and its own outputs).
+    return jax.device_put(init_state(model_config, train_config, variables),
+                          jax.devices()[0])
   shardings = state_shardings(model_config, train_config, mesh)
   if variables is None:
     make = jax.jit(lambda key: init_state(model_config, train_config,
