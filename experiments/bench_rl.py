@@ -39,6 +39,7 @@ from experiments import cli
 from m2jax import params as params_lib
 from m2jax.config import get_preset
 from m2jax.data import ByteTokenizer
+from m2jax.errors import UserError
 from m2jax.infer.engine import EngineConfig
 from m2jax.rl import envs
 from m2jax.rl import loop
@@ -72,6 +73,12 @@ _WARM_LR = flags.DEFINE_float("warm_start_learning_rate", 3e-3, "SFT lr.")
 _TARGET = flags.DEFINE_float("target", 0.7, "Reward the runs race to.")
 _SMOOTH = flags.DEFINE_integer("smooth", 10, "Steps in the moving mean.")
 _MERGE_REPS = flags.DEFINE_integer("merge_reps", 5, "Timed steps (merge).")
+_MERGE_POOL = flags.DEFINE_string(
+    "merge_pool", None, "merge: read the batches of steps 1..--merge_reps "
+    "from this data pool (e.g. a run's recorded agent trajectories) instead "
+    "of the first algos run's pool.")
+_MERGE_ROW_LEN = flags.DEFINE_integer("merge_row_len", 512, "merge: tokens "
+                                      "per packed row.", lower_bound=1)
 
 
 def _configs():
@@ -201,16 +208,26 @@ def algos(results: dict) -> None:
 def merge(results: dict) -> None:
   """The train step on real rollout batches, merged vs unmerged."""
   mcfg, train, _, _, _ = _configs()
-  source = os.path.join(_WORKDIR.value,
-                        f"{_ALGOS.value[0]}_{_SEEDS.value[0]}")
-  with pool_lib.Pool(os.path.join(source, loop.POOL_FILE)) as pool:
+  source = _MERGE_POOL.value or os.path.join(
+      _WORKDIR.value, f"{_ALGOS.value[0]}_{_SEEDS.value[0]}", loop.POOL_FILE)
+  if not os.path.exists(source):
+    raise UserError(f"--merge_pool: no data pool at {source}")
+  with pool_lib.Pool(source) as pool:
     batches = [pool.trained_in(s) for s in range(1, 1 + _MERGE_REPS.value)]
+  if not all(batches):
+    raise UserError(f"--merge_reps: {source} has no trained batch for some "
+                    f"of steps 1..{_MERGE_REPS.value}")
+  results["merge_source"] = {
+      "pool": source, "samples": [len(b) for b in batches],
+      "steps_per_sample_mean": float(np.mean(
+          [len(t.steps) for b in batches for t in b]))}
   rl_config = rl_step.RLConfig(mtp_depth=mcfg.num_mtp_modules)
   gc.collect()
   state = state_lib.create_state(mcfg, train)
   row = {}
   for name, merged in (("merged", True), ("unmerged", False)):
-    config = trainer_lib.TrainerConfig(row_len=512, rows_per_micro_batch=2,
+    config = trainer_lib.TrainerConfig(row_len=_MERGE_ROW_LEN.value,
+                                       rows_per_micro_batch=2,
                                        merge=merged)
     trainer = trainer_lib.Trainer(mcfg, train, rl_config, config,
                                   jax.tree.map(jax.numpy.copy, state))

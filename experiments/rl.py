@@ -128,6 +128,10 @@ flags.DEFINE_enum("mtp_tail", "bucket", ["bucket", "renormalize"], "Mass "
                   "outside the top K: one outcome, or renormalised away.")
 flags.DEFINE_bool("mtp_detach", True, "The MTP term trains only the MTP "
                   "modules (the policy's trunk, embedding and head detached).")
+flags.DEFINE_float("mtp_weight", rl_step.MTP_WEIGHT, "Weight of the MTP "
+                   "term; with --mtp_detach, 0 freezes the MTP modules (no "
+                   "co-training: the baseline its acceptance is compared "
+                   "against).", lower_bound=0.0)
 # Training.
 flags.DEFINE_float("learning_rate", 1e-3, "RL learning rate.")
 flags.DEFINE_integer("warmup_steps", 5, "RL learning-rate warmup.")
@@ -174,7 +178,7 @@ TRAINER_FLAGS = {"row_len": "row_len", "minibatches": "minibatches",
                  "merge": "merge"}
 RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef", "mtp_loss": "mtp_loss",
             "mtp_topk": "mtp_topk", "mtp_tail": "mtp_tail",
-            "mtp_detach": "mtp_detach"}
+            "mtp_detach": "mtp_detach", "mtp_weight": "mtp_weight"}
 REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
                 "reward_gamma": "gamma", "speed_min": "speed_min",
                 "speed_max": "speed_max", "reward_baseline": "baseline"}
@@ -222,7 +226,8 @@ def _fresh_configs(mcfg: ModelConfig):
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
                         mtp_depth=mcfg.num_mtp_modules,
                         mtp_loss=FLAGS.mtp_loss, mtp_topk=FLAGS.mtp_topk,
-                        mtp_tail=FLAGS.mtp_tail, mtp_detach=FLAGS.mtp_detach)
+                        mtp_tail=FLAGS.mtp_tail, mtp_detach=FLAGS.mtp_detach,
+                        mtp_weight=FLAGS.mtp_weight)
   run = loop.RLRunConfig(
       env=FLAGS.env, env_fields=_env_fields(), agent=FLAGS.agent,
       mode=FLAGS.mode, steps=steps, max_rollouts=FLAGS.max_rollouts,
