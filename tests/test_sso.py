@@ -17,7 +17,7 @@ from m2jax.config import ConfigError
 from m2jax.train import optim, sso
 from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import Checkpointer, abstract
-from m2jax.train.config import TrainConfig
+from m2jax.train.config import MATMUL_PRECISIONS, TrainConfig
 
 # One parameter of each kind of unit, tiny: q [D, H, hd] (per head), o
 # [H, hd, D] (one unit), experts [E, D, F] / [E, F, D] (per expert), and
@@ -149,6 +149,12 @@ def test_msign_is_the_svd_polar_factor():
   np.testing.assert_allclose(_msign(x[None].astype(np.float32))[0], a @ b.T,
                              atol=NS_TOL)
   assert not np.any(np.asarray(_msign(np.zeros((10, 6), np.float32))))
+  # Every TrainConfig.sso_matmul_precision is a precision jnp.matmul takes.
+  assert set(sso.PRECISIONS) == set(MATMUL_PRECISIONS)
+  x3 = jax.jit(functools.partial(sso.msign,
+                                 precision=sso.PRECISIONS["BF16_BF16_F32_X3"]))
+  np.testing.assert_allclose(x3(x[None].astype(np.float32))[0], a @ b.T,
+                             atol=NS_TOL)
   # The coefficients themselves: their composition maps every singular
   # value in [1e-3, 1] (after the 1.01 safety scaling) to 1.
   s = np.geomspace(1e-3, 1, 2000) / sso.POLAR_EXPRESS_SAFETY
@@ -158,14 +164,15 @@ def test_msign_is_the_svd_polar_factor():
 
 
 def _solve_inputs(n=6, d_in=6, d_out=10, seed=0):
-  """(m_hat, theta) of n random units: theta from each W's top pair."""
+  """(m_hat, v, u, theta) of n random units: v u = theta, each W's top
+  singular pair."""
   rng = np.random.default_rng(seed)
   m = rng.normal(size=(n, d_in, d_out))
   m_hat = m / np.linalg.norm(m, axis=(-2, -1), keepdims=True)
-  w = rng.normal(size=(n, d_in, d_out))
-  u, _, vt = np.linalg.svd(w)
-  theta = u[:, :, :1] * vt[:, :1, :]
-  return jnp.asarray(m_hat, jnp.float32), jnp.asarray(theta, jnp.float32)
+  a, _, bt = np.linalg.svd(rng.normal(size=(n, d_in, d_out)))
+  v, u = a[:, :, :1], bt[:, :1, :]
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return f32(m_hat), f32(v), f32(u), v * u
 
 
 SOLVER = dict(bracket_start=1e-3, bracket_doublings=10, bisect_steps=20,
@@ -175,11 +182,10 @@ _solve = jax.jit(sso.solve_lambda)
 
 
 def test_lambda_root_is_within_tolerance():
-  m_hat, theta = _solve_inputs()
-  h = lambda lam: np.sum(np.asarray(theta) * _polar(m_hat + lam * theta),
-                         axis=(-2, -1))
+  m_hat, v, u, theta = _solve_inputs()
+  h = lambda lam: np.sum(theta * _polar(m_hat + lam * theta), axis=(-2, -1))
   assert np.all(np.abs(h(np.zeros((6, 1, 1)))) > 1e-2)  # lambda* != 0
-  out = _solve(m_hat, theta, **SOLVER)
+  out = _solve(m_hat, v, u, **SOLVER)
   assert np.all(np.asarray(out.bracketed))
   assert np.all(np.abs(np.asarray(out.h)) <= SOLVER["tolerance"])
   # Checked independently: the SVD polar factor at lambda*.
@@ -190,9 +196,9 @@ def test_lambda_root_is_within_tolerance():
 
 
 def test_lambda_falls_back_to_zero_without_a_bracket():
-  m_hat, theta = _solve_inputs()
+  m_hat, v, u, _ = _solve_inputs()
   # Candidates 1e-6 and 2e-6 only: too close to 0 to pass any root.
-  out = _solve(m_hat, theta, **dict(SOLVER, bracket_start=1e-6,
+  out = _solve(m_hat, v, u, **dict(SOLVER, bracket_start=1e-6,
                                     bracket_doublings=1))
   assert not np.any(np.asarray(out.bracketed))
   assert not np.any(np.asarray(out.lam))

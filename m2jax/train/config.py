@@ -10,7 +10,10 @@ OPTIMIZERS = ("adamw", "muon", "muonsphere", "sso")
 # The optimizers that keep the hidden matrices on a spectral sphere
 # (m2jax.train.sso; MuonSphere is SSO with lambda = 0).
 SPHERE_OPTIMIZERS = ("muonsphere", "sso")
-MATMUL_PRECISIONS = ("default", "high", "highest")
+# jax.lax.Precision levels, and two of jax.lax.DotAlgorithmPreset: float32
+# carried by 3 or 6 bfloat16 passes on tensor cores (GPU; exact on CPU).
+MATMUL_PRECISIONS = ("default", "high", "highest", "BF16_BF16_F32_X3",
+                     "BF16_BF16_F32_X6")
 
 # M2's pretraining tokens (SPEC §2): 29.2T = a constant-lr phase of 19.9T
 # plus a decay phase of 9.3T.
@@ -73,9 +76,10 @@ class TrainConfig:
   sso_bisect_steps: int = 20         # bisection steps at most ...
   sso_tolerance: float = 2e-4        # ... until |h(lambda)| <= this
   sso_eps: float = 1e-7              # guards the normalisations
-  # Matmul precision of msign and the power iteration (float32 inputs):
-  # "highest" is true float32; "default" lets a GPU use TF32 (faster, but
-  # h(lambda) is then only good to ~1e-3, above sso_tolerance).
+  # Matmul precision of msign and the power iteration (float32 inputs,
+  # MATMUL_PRECISIONS): "highest" is true float32 (no tensor cores on a
+  # GPU); "default" lets a GPU use TF32, whose ~1e-3 error in h(lambda) is
+  # above sso_tolerance; BF16_BF16_F32_X3 keeps ~16 bits on tensor cores.
   sso_matmul_precision: str = "highest"
   # Losses. MTP weight 0.3 in the stable phase, annealed to 0.1 over the
   # decay phase (the paper's pretraining recipe).

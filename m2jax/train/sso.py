@@ -86,9 +86,15 @@ POLAR_EXPRESS_COEFFICIENTS = (
 # 1.01-wider interval (p(x / 1.01) with x rescaled: a/s, b/s^3, c/s^5).
 POLAR_EXPRESS_SAFETY = 1.01
 
+# The power iteration's cold start (see _cold_start): pi (3 - sqrt(5)).
+GOLDEN_ANGLE = math.pi * (3 - math.sqrt(5))
+
+# TrainConfig.sso_matmul_precision -> jnp.matmul's `precision`.
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT,
               "high": jax.lax.Precision.HIGH,
-              "highest": jax.lax.Precision.HIGHEST}
+              "highest": jax.lax.Precision.HIGHEST,
+              "BF16_BF16_F32_X3": "BF16_BF16_F32_X3",
+              "BF16_BF16_F32_X6": "BF16_BF16_F32_X6"}
 
 
 def polar_express_coefficients(steps: int) -> list[tuple[float, float, float]]:
@@ -151,18 +157,21 @@ class LambdaSolve(NamedTuple):
   phi: jax.Array            # msign(M^ + lam Theta), the step direction
   h: jax.Array              # h(lam) = <Theta, phi>
   bracketed: jax.Array      # bool: a sign change of h was found
+  evaluations: jax.Array    # msign evaluations of the loop (all units)
 
 
 _BRACKET, _BISECT, _DONE = 0, 1, 2
 
 
-def solve_lambda(m_hat, theta, phi0=None, *, bracket_start: float,
+def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
                  bracket_doublings: int, bisect_steps: int, tolerance: float,
                  ns_steps: int = 8, eps: float = 1e-7,
                  precision=None) -> LambdaSolve:
-  """The root of h(lam) = <theta, msign(m_hat + lam theta)> of each unit.
+  """The root of h(lam) = <Theta, msign(m_hat + lam Theta)>, Theta = v u,
+  of each unit.
 
-  m_hat, theta: [..., m, n] float32 (leading axes index units); phi0 =
+  m_hat: [..., d_in, d_out] float32 (leading axes index units); v [...,
+  d_in, 1], u [..., 1, d_out] (Theta is never stored); phi0 =
   msign(m_hat) if already computed. Units are solved together in one loop
   that evaluates msign for all of them per iteration and ends when each is
   done: |h(0)| <= tolerance (lam = 0); or the candidates
@@ -171,9 +180,9 @@ def solve_lambda(m_hat, theta, phi0=None, *, bracket_start: float,
   |h| <= tolerance or ran bisect_steps steps (lam = the bisection point
   of smallest |h|).
   """
-  evaluate = lambda lam: msign(m_hat + lam * theta, steps=ns_steps, eps=eps,
+  evaluate = lambda lam: msign(m_hat + lam * v * u, steps=ns_steps, eps=eps,
                                precision=precision)
-  h_of = lambda phi: jnp.sum(theta * phi, axis=(-2, -1), keepdims=True)
+  h_of = lambda phi: jnp.sum(v * phi * u, axis=(-2, -1), keepdims=True)
   phi0 = evaluate(0.0) if phi0 is None else phi0
   h0 = h_of(phi0)
   sign0 = jnp.sign(h0)
@@ -222,7 +231,8 @@ def solve_lambda(m_hat, theta, phi0=None, *, bracket_start: float,
     }
 
   out = jax.lax.while_loop(lambda c: jnp.any(c["phase"] != _DONE), step, init)
-  return LambdaSolve(out["lam"], out["phi"], out["h"], out["bracketed"])
+  return LambdaSolve(out["lam"], out["phi"], out["h"], out["bracketed"],
+                     out["it"])
 
 
 # Parameters <-> their units' matrices [units..., d_in, d_out].
@@ -306,12 +316,30 @@ def _unstacked(stack, batch_shapes, index):
           for i, part in zip(index, jnp.split(stack, sizes))}
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "precision"))
-def _cold_start(ws, starts, *, iters, eps, precision):
-  """(us, vs) of top_singular for each [N, d_in, d_out] stack of ws."""
-  out = [top_singular(w, v, iters=iters, eps=eps, precision=precision)[1:]
-         for w, v in zip(ws, starts)]
-  return [u for u, _ in out], [v for _, v in out]
+@functools.partial(jax.jit,
+                   static_argnames=("dims", "iters", "eps", "precision"))
+def _cold_start(ps, dims, *, iters, eps, precision):
+  """(us, vs): each parameter's singular vectors (parameter layout) by
+  `iters` power iterations, a stack of units of one shape at a time, from
+  cos(golden angle x i): deterministic, cheap (no random-bits program to
+  compile) and equidistributed, so no more likely orthogonal to a top
+  singular vector than a random start."""
+  ws = [_to_units(p, d) for p, d in zip(ps, dims)]
+  batch_shapes = [w.shape[:-2] for w in ws]
+  us, vs = [None] * len(ps), [None] * len(ps)
+  for index in _stacks([p.shape for p in ps], dims).values():
+    w = _stacked(ws, index)
+    n = math.prod(w.shape[:-1])
+    start = jnp.cos(GOLDEN_ANGLE * jnp.arange(n, dtype=jnp.float32)).reshape(
+        w.shape[:-1] + (1,))
+    _, u, v = top_singular(w, start, iters=iters, eps=eps, precision=precision)
+    for i, part in _unstacked(u, batch_shapes, index).items():
+      us[i] = _from_units(part, dims[i],
+                          _vector_shape(ps[i].shape, dims[i], "u"))
+    for i, part in _unstacked(v, batch_shapes, index).items():
+      vs[i] = _from_units(part, dims[i],
+                          _vector_shape(ps[i].shape, dims[i], "v"))
+  return us, vs
 
 
 def scale_by_sphere(config: TrainConfig, unit_dims,
@@ -335,24 +363,8 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
 
   def init(params):
     treedef, dims, (ps,) = leaves(params, params)
-    ws = [_to_units(p, d) for p, d in zip(ps, dims)]
-    batch_shapes = [w.shape[:-2] for w in ws]
-    stacks = _stacks([p.shape for p in ps], dims)
-    w_stacks = [_stacked(ws, index) for index in stacks.values()]
-    # A fixed random start: deterministic, and orthogonal to the top
-    # singular vector only with probability 0.
-    starts = [jax.random.normal(jax.random.key(0), w.shape[:-1] + (1,))
-              for w in w_stacks]
-    us, vs = [None] * len(ps), [None] * len(ps)
-    for index, u, v in zip(stacks.values(), *_cold_start(
-        w_stacks, starts, iters=c.sso_power_iters_init, eps=c.sso_eps,
-        precision=precision)):
-      for i, part in _unstacked(u, batch_shapes, index).items():
-        us[i] = _from_units(part, dims[i],
-                            _vector_shape(ps[i].shape, dims[i], "u"))
-      for i, part in _unstacked(v, batch_shapes, index).items():
-        vs[i] = _from_units(part, dims[i],
-                            _vector_shape(ps[i].shape, dims[i], "v"))
+    us, vs = _cold_start(tuple(ps), tuple(dims), iters=c.sso_power_iters_init,
+                         eps=c.sso_eps, precision=precision) if ps else ([], [])
     return SphereState(jnp.zeros((), jnp.int32),
                        optax.tree.zeros_like(params),
                        treedef.unflatten(us), treedef.unflatten(vs))
@@ -384,7 +396,7 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
                   precision=precision)
       if solve:
         phi = solve_lambda(
-            m_hat, v * u, phi, bracket_start=c.sso_bracket_start,
+            m_hat, v, u, phi, bracket_start=c.sso_bracket_start,
             bracket_doublings=c.sso_bracket_doublings,
             bisect_steps=c.sso_bisect_steps, tolerance=c.sso_tolerance,
             ns_steps=c.sso_ns_steps, eps=c.sso_eps, precision=precision).phi
