@@ -69,7 +69,7 @@ class TrainConfig:
   sso_radius_scale: float = 1.0      # c in R = c sqrt(d_out / d_in)
   sso_momentum: float = 0.9          # Nesterov momentum
   sso_power_iters: int = 5           # per step, warm-started (sso.py)
-  sso_power_iters_init: int = 50     # cold start, in the optimizer's init
+  sso_power_iters_init: int = 100    # cold start, in the optimizer's init
   sso_ns_steps: int = 8              # Polar-Express Newton-Schulz steps
   sso_bracket_start: float = 1e-3    # first |lambda| tried
   sso_bracket_doublings: int = 10    # then doubled at most this often

@@ -260,6 +260,8 @@ def make_optimizer(config: TrainConfig,
                                     decay_mask(param_axes))
   matrix_lr = config.matrix_learning_rate or config.learning_rate
   if config.optimizer in SPHERE_OPTIMIZERS:
+    # The sphere's update is the whole step, retraction included, at the
+    # matrices' own schedule: nothing decays or rescales it afterwards.
     labels = _rule_map(param_axes, lambda _, rule: (
         SPHERE if rule.family == MUON else ADAMW))
     sphere = sso.scale_by_sphere(
