@@ -22,7 +22,8 @@ from experiments import cli, run_flags, train_flags
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
 from m2jax.train import resume
-from m2jax.train.config import TrainConfig, parse_context_schedule
+from m2jax.train.config import (OPTIMIZERS, TrainConfig,
+                                parse_context_schedule)
 from m2jax.train.interrupt import TrainingInterrupted
 from m2jax.train.loop import pretrain
 
@@ -59,8 +60,14 @@ flags.DEFINE_integer("seq_len", 256, "Tokens per packed row.")
 flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
 # Optimisation.
 flags.DEFINE_integer("steps", 300, "Optimizer steps.")
-flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "Optimizer.")
+flags.DEFINE_enum("optimizer", "adamw", list(OPTIMIZERS),
+                  "adamw; muon, muonsphere or sso for the hidden matrices "
+                  "and AdamW for the rest (m2jax.train.optim).")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
+flags.DEFINE_float("matrix_learning_rate", None,
+                   "Peak learning rate of the hidden matrices under muon, "
+                   "muonsphere and sso (SSO's eta, ~0.02; default: "
+                   "--learning_rate).")
 flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
 flags.DEFINE_float("decay_fraction", TrainConfig.decay_fraction,
                    "Final fraction of steps that decay (default: M2's).")
@@ -94,7 +101,9 @@ DATA_FLAGS = {"data": "source", "documents": "documents",
               "seq_len": "seq_len", "batch_size": "batch_size", "seed": "seed"}
 TRAIN_FLAGS = {
     "steps": "steps", "seed": "seed", "optimizer": "optimizer",
-    "learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
+    "learning_rate": "learning_rate",
+    "matrix_learning_rate": "matrix_learning_rate",
+    "warmup_steps": "warmup_steps",
     "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "mtp_weight_final": "mtp_weight_final",

@@ -27,7 +27,7 @@ from m2jax.config import ConfigError, ModelConfig, config_from_dict
 from m2jax.data import DataConfig, load_tokenizer
 from m2jax.data.chat_data import ChatData
 from m2jax.train import resume, sft
-from m2jax.train.config import TrainConfig
+from m2jax.train.config import OPTIMIZERS, TrainConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", "runs/sft", "Run directory.")
@@ -52,8 +52,14 @@ flags.DEFINE_integer("seq_len", 512, "Tokens per packed row (a longer "
 flags.DEFINE_integer("batch_size", 4, "Rows per batch.")
 # Optimisation.
 flags.DEFINE_integer("steps", 200, "Optimizer steps.")
-flags.DEFINE_enum("optimizer", "adamw", ["adamw", "muon"], "Optimizer.")
+flags.DEFINE_enum("optimizer", "adamw", list(OPTIMIZERS),
+                  "adamw; muon, muonsphere or sso for the hidden matrices "
+                  "and AdamW for the rest (m2jax.train.optim).")
 flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate.")
+flags.DEFINE_float("matrix_learning_rate", None,
+                   "Peak learning rate of the hidden matrices under muon, "
+                   "muonsphere and sso (SSO's eta, ~0.02; default: "
+                   "--learning_rate).")
 flags.DEFINE_integer("warmup_steps", 10, "Linear warmup steps.")
 flags.DEFINE_float("decay_fraction", TrainConfig.decay_fraction,
                    "Final fraction of steps that decay.")
@@ -75,7 +81,9 @@ run_flags.define()  # --mesh, the Settings flags, multi-host
 # The config field each flag sets ({flag: field}), for --resume.
 TRAIN_FLAGS = {
     "steps": "steps", "seed": "seed", "optimizer": "optimizer",
-    "learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
+    "learning_rate": "learning_rate",
+    "matrix_learning_rate": "matrix_learning_rate",
+    "warmup_steps": "warmup_steps",
     "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "aux_loss": "aux_loss_coef",
@@ -106,7 +114,9 @@ def _configs(init):
            else FLAGS.mtp_depth)
   train_config = TrainConfig(
       steps=FLAGS.steps, seed=FLAGS.seed, optimizer=FLAGS.optimizer,
-      learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
+      learning_rate=FLAGS.learning_rate,
+      matrix_learning_rate=FLAGS.matrix_learning_rate,
+      warmup_steps=FLAGS.warmup_steps,
       decay_fraction=FLAGS.decay_fraction, weight_decay=FLAGS.weight_decay,
       grad_clip=FLAGS.grad_clip, mtp_depth=depth,
       mtp_weight=FLAGS.mtp_weight, mtp_weight_final=FLAGS.mtp_weight,

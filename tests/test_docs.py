@@ -162,6 +162,11 @@ COMMANDS = {
     "--coordinator_address=host0:1234 --num_processes=2 "
     "--process_id=$RANK": Skip("several hosts with 16 GPUs"),
     "python -m experiments.bench_gmm": Skip(GPU + "times the Hopper kernels"),
+    "python -m experiments.bench_optimizers --preset=m2_small --steps=300 "
+    "--batch=8 --seq_len=1024 --max_seconds=540 "
+    "--out=benchmarks/results/optimizers/m2_small.json": Skip(
+        GPU + "m2_small, four optimizers, two seeds; its CPU run is "
+        "tests/test_bench_optimizers.py"),
     "python -m experiments.bench_train --preset=m2_small": Skip(
         GPU + "m2_small training throughput"),
     "python -m experiments.bench_prefix_tree": Skip(

@@ -235,7 +235,7 @@ def test_muon_orthogonalises_attention_over_all_heads():
 
 
 @pytest.mark.parametrize("opt,mtp_only", [("muon", False), ("muon", True),
-                                          ("adamw", True)])
+                                          ("adamw", True), ("sso", True)])
 def test_optimizer_state_gets_shardings(opt, mtp_only):
   """Each family's moments (masked where the other family's parameters
   are) get their parameters' shardings: Muon runs on a mesh."""

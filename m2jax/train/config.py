@@ -6,7 +6,14 @@ import dataclasses
 
 from m2jax.config import ConfigError
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "muonsphere", "sso")
+# The optimizers that keep the hidden matrices on a spectral sphere
+# (m2jax.train.sso; MuonSphere is SSO with lambda = 0).
+SPHERE_OPTIMIZERS = ("muonsphere", "sso")
+# jax.lax.Precision levels, and two of jax.lax.DotAlgorithmPreset: float32
+# carried by 3 or 6 bfloat16 passes on tensor cores (GPU; exact on CPU).
+MATMUL_PRECISIONS = ("default", "high", "highest", "BF16_BF16_F32_X3",
+                     "BF16_BF16_F32_X6")
 
 # M2's pretraining tokens (SPEC §2): 29.2T = a constant-lr phase of 19.9T
 # plus a decay phase of 9.3T.
@@ -54,6 +61,26 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0
+  # Peak learning rate of the hidden matrices (optim.PARAM_RULES' Muon
+  # kinds) under muon, muonsphere and sso, on the same WSD schedule; the
+  # AdamW kinds keep `learning_rate`. None: `learning_rate` for both.
+  matrix_learning_rate: float | None = None
+  # SSO and MuonSphere (m2jax.train.sso; SPEC §4 for the algorithm).
+  sso_radius_scale: float = 1.0      # c in R = c sqrt(d_out / d_in)
+  sso_momentum: float = 0.9          # Nesterov momentum
+  sso_power_iters: int = 5           # per step, warm-started (sso.py)
+  sso_power_iters_init: int = 100    # cold start, in the optimizer's init
+  sso_ns_steps: int = 8              # Polar-Express Newton-Schulz steps
+  sso_bracket_start: float = 1e-3    # first |lambda| tried
+  sso_bracket_doublings: int = 10    # then doubled at most this often
+  sso_bisect_steps: int = 20         # bisection steps at most ...
+  sso_tolerance: float = 2e-4        # ... until |h(lambda)| <= this
+  sso_eps: float = 1e-7              # guards the normalisations
+  # Matmul precision of msign and the power iteration (float32 inputs,
+  # MATMUL_PRECISIONS): "highest" is true float32 (no tensor cores on a
+  # GPU); "default" lets a GPU use TF32, whose ~1e-3 error in h(lambda) is
+  # above sso_tolerance; BF16_BF16_F32_X3 keeps ~16 bits on tensor cores.
+  sso_matmul_precision: str = "highest"
   # Losses. MTP weight 0.3 in the stable phase, annealed to 0.1 over the
   # decay phase (the paper's pretraining recipe).
   mtp_depth: int = 1
@@ -89,6 +116,25 @@ class TrainConfig:
       _fail("decay_fraction", "must be in [0, 1]", self.decay_fraction)
     if self.grad_clip <= 0:
       _fail("grad_clip", "must be positive", self.grad_clip)
+    if (self.matrix_learning_rate is not None
+        and self.matrix_learning_rate <= 0):
+      _fail("matrix_learning_rate", "must be positive or None",
+            self.matrix_learning_rate)
+    for name in ("sso_radius_scale", "sso_bracket_start", "sso_tolerance",
+                 "sso_eps"):
+      if not getattr(self, name) > 0:
+        _fail(name, "must be positive", getattr(self, name))
+    if not 0 <= self.sso_momentum < 1:
+      _fail("sso_momentum", "must be in [0, 1)", self.sso_momentum)
+    for name in ("sso_power_iters", "sso_power_iters_init",
+                 "sso_bracket_doublings", "sso_bisect_steps"):
+      if getattr(self, name) < 0:
+        _fail(name, "must be >= 0", getattr(self, name))
+    if self.sso_ns_steps <= 0:
+      _fail("sso_ns_steps", "must be positive", self.sso_ns_steps)
+    if self.sso_matmul_precision not in MATMUL_PRECISIONS:
+      _fail("sso_matmul_precision", f"must be one of {MATMUL_PRECISIONS}",
+            self.sso_matmul_precision)
     if self.mtp_depth < 0:
       _fail("mtp_depth", "must be >= 0", self.mtp_depth)
     if self.mtp_only and self.mtp_depth == 0:

@@ -77,7 +77,11 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
   ce, lse = cross_entropy(out.logits, targets, mask)
   main_ce = _mean(ce, mask)
   loss = main_weight * main_ce
-  metrics = {"ce": main_ce, "tokens": jnp.sum(mask)}
+  # The residual stream's scale where it leaves the blocks (before the
+  # final norm), over the tokens that count: what spectral control bounds.
+  hidden_sq = jnp.mean(jnp.square(out.hidden.astype(jnp.float32)), axis=-1)
+  metrics = {"ce": main_ce, "tokens": jnp.sum(mask),
+             "act/hidden_rms": jnp.sqrt(_mean(hidden_sq * mask, mask))}
   if z_coef:
     z = _mean(jnp.square(lse), mask)
     loss = loss + z_coef * z

@@ -48,6 +48,16 @@ which parameters decay by construction. The AdamW kinds get the same AdamW
 under either optimizer (optax.contrib.muon's Adam branch would add Nesterov
 momentum and takes no decay mask, so Muon is composed here from public optax
 pieces instead).
+
+Under "muonsphere" and "sso" (m2jax.train.sso) the Muon kinds are held on a
+spectral sphere instead, in SSO's atomic units (`sphere_units`): as Muon's
+matrices, except that attention q/k/v split per head (each head its own
+d_model -> head_dim unit; o stays one unit, sso.py says why). Their update
+is the whole step, retraction included, at the schedule of
+`matrix_learning_rate`: no decay and no lr scaling follow it. The AdamW
+kinds get the same AdamW (and decay) as under "adamw". Under "muon",
+`matrix_learning_rate` scales Muon's direction by its ratio to
+`learning_rate` (decay stays lr x weight_decay).
 """
 
 from __future__ import annotations
@@ -61,9 +71,12 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from m2jax.train import schedules
-from m2jax.train.config import TrainConfig
+from m2jax.train import sso
+from m2jax.train.config import SPHERE_OPTIMIZERS, TrainConfig
 
 MUON, ADAMW = "muon", "adamw"
+# The label of the Muon kinds under muonsphere and sso.
+SPHERE = "sphere"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +192,29 @@ def muon_dimension_numbers(param_axes):
       _dimension_numbers(names, rule) if rule.family == MUON else None))
 
 
+# SSO's atomic units: a head axis among a Muon kind's output axes indexes
+# units (q/k/v per head; SPEC §4).
+SPHERE_HEAD_AXES = ("q_heads", "kv_heads")
+
+
+def _sphere_units(names, rule: ParamRule) -> MuonDimensionNumbers:
+  output = tuple(n for n in rule.output if n not in SPHERE_HEAD_AXES)
+  batch = [n for n in names if n not in rule.reduction + output]
+  if any(n not in MUON_BATCH_AXES + SPHERE_HEAD_AXES for n in batch):
+    raise ValueError(f"PARAM_RULES[{names}] ({rule.kind}): axes {batch} do "
+                     "not index SSO units")
+  return MuonDimensionNumbers(
+      reduction_axis=tuple(names.index(n) for n in rule.reduction),
+      output_axis=tuple(names.index(n) for n in output))
+
+
+def sphere_units(param_axes):
+  """params -> tree of MuonDimensionNumbers of SSO's units (None for the
+  AdamW kinds): the axes neither input nor output index units."""
+  return _rule_map(param_axes, lambda names, rule: (
+      _sphere_units(names, rule) if rule.family == MUON else None))
+
+
 def _scale_by_width(dimension_numbers) -> optax.GradientTransformation:
   """Muon's update scale sqrt(max(1, fan_out / fan_in)) per matrix.
 
@@ -211,7 +247,8 @@ def is_frozen(config: TrainConfig, name: str) -> bool:
 
 def make_optimizer(config: TrainConfig,
                    param_axes) -> optax.GradientTransformation:
-  """Gradient clipping, then AdamW or Muon(+AdamW), on the WSD schedule.
+  """Gradient clipping, then AdamW, Muon(+AdamW) or MuonSphere/SSO(+AdamW),
+  on the WSD schedule.
 
   `param_axes`: the parameters' logical axes, a pytree of PartitionSpecs
   (`m2jax.model.logical_axes(model_config)["params"]`); each parameter is
@@ -219,25 +256,38 @@ def make_optimizer(config: TrainConfig,
   """
   lr = schedules.learning_rate(config)
   adam = optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps)
-  if config.optimizer == ADAMW:
-    direction = adam
+  decay = optax.add_decayed_weights(config.weight_decay,
+                                    decay_mask(param_axes))
+  matrix_lr = config.matrix_learning_rate or config.learning_rate
+  if config.optimizer in SPHERE_OPTIMIZERS:
+    # The sphere's update is the whole step, retraction included, at the
+    # matrices' own schedule: nothing decays or rescales it afterwards.
+    labels = _rule_map(param_axes, lambda _, rule: (
+        SPHERE if rule.family == MUON else ADAMW))
+    sphere = sso.scale_by_sphere(
+        config, sphere_units(param_axes),
+        schedules.learning_rate(config.replace(learning_rate=matrix_lr)),
+        solve=config.optimizer == "sso")
+    update = optax.partition(
+        {SPHERE: sphere,
+         ADAMW: optax.chain(adam, decay, optax.scale_by_learning_rate(lr))},
+        labels)
   else:
-    dims = muon_dimension_numbers(param_axes)
-    direction = optax.partition(
-        {MUON: optax.chain(
-            optax.contrib.scale_by_muon(beta=config.b1, eps=config.eps,
-                                        weight_dimension_numbers=dims),
-            _scale_by_width(dims)),
-         ADAMW: adam},
-        families(param_axes))
-  # optax.adamw's own composition, with the direction swapped for Muon: one
-  # decay mask for both optimizers.
-  opt = optax.chain(
-      optax.clip_by_global_norm(config.grad_clip),
-      optax.chain(direction,
-                  optax.add_decayed_weights(config.weight_decay,
-                                            decay_mask(param_axes)),
-                  optax.scale_by_learning_rate(lr)))
+    if config.optimizer == ADAMW:
+      direction = adam
+    else:
+      dims = muon_dimension_numbers(param_axes)
+      muon = [optax.contrib.scale_by_muon(beta=config.b1, eps=config.eps,
+                                          weight_dimension_numbers=dims),
+              _scale_by_width(dims)]
+      if matrix_lr != config.learning_rate:
+        muon.append(optax.scale(matrix_lr / config.learning_rate))
+      direction = optax.partition({MUON: optax.chain(*muon), ADAMW: adam},
+                                  families(param_axes))
+    # optax.adamw's own composition, with the direction swapped for Muon:
+    # one decay mask for both optimizers.
+    update = optax.chain(direction, decay, optax.scale_by_learning_rate(lr))
+  opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), update)
   if config.mtp_only:
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "frozen" if is_frozen(config, path[0].key)

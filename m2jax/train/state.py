@@ -4,7 +4,8 @@ A run's whole mutable state is one `TrainState`, passed into every step and
 returned by it (nothing hidden). Here it is created (fresh or from given
 variables, on one device or directly in its shardings on a mesh) and its
 shardings are derived: parameters follow the model's logical axes
-(m2jax.sharding), optimizer moments follow their parameters, the step counter
+(m2jax.sharding), optimizer moments follow their parameters (SSO's singular
+vectors too, unsplit on the axes they are reduced over), the step counter
 and the expert bias are replicated.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from m2jax import model
 from m2jax import sharding
@@ -51,6 +52,21 @@ def init_state(model_config: ModelConfig, train_config: TrainConfig,
                     variables.get(model.EXPERT_BIAS, {}))
 
 
+def _like_param(x, param_sharding: NamedSharding, param):
+  """The sharding of an optimizer-state leaf `x` kept per parameter: the
+  parameter's, except on the axes where `x` has size 1 and the parameter
+  not (SSO's singular vectors, reduced over those axes): not split there."""
+  if x.shape == param.shape:
+    return param_sharding
+  if len(x.shape) != len(param.shape):
+    return NamedSharding(param_sharding.mesh, PartitionSpec())
+  spec = tuple(param_sharding.spec)
+  spec += (None,) * (len(param.shape) - len(spec))
+  return NamedSharding(param_sharding.mesh, PartitionSpec(*(
+      axis if n == pn else None
+      for axis, n, pn in zip(spec, x.shape, param.shape))))
+
+
 def state_shardings(model_config: ModelConfig, train_config: TrainConfig,
                     mesh, rules=sharding.LOGICAL_RULES) -> TrainState:
   """A TrainState of NamedShardings: optimizer moments follow their params."""
@@ -64,7 +80,8 @@ def state_shardings(model_config: ModelConfig, train_config: TrainConfig,
   masked = lambda x: isinstance(x, optax.MaskedNode)
   replicated = sharding.replicated(mesh)
   opt_sh = optax.tree_map_params(
-      opt, lambda x, s: x if masked(x) else s, opt_shapes, var["params"],
+      opt, lambda x, s, p: x if masked(x) else _like_param(x, s, p),
+      opt_shapes, var["params"], params,
       transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, NamedSharding) or masked(x))
   return TrainState(replicated, var["params"], opt_sh,
