@@ -126,6 +126,19 @@ def test_multiply_tasks_and_verifier():
   assert envs.multi_step("multiply") and not envs.multi_step("arithmetic")
   with pytest.raises(config_lib.ConfigError, match="Multiply.levels"):
     envs.make("multiply", levels=(0,))
+  # The demonstration's think blocks are fields (shorter ones for a tiny
+  # model); the defaults are the module's.
+  short = envs.make("multiply", levels=(1,), call_reasoning="Go.",
+                    answer_reasoning="")
+  turns = [m for m in short.demonstration_messages(task)
+           if m["role"] == "assistant"]
+  assert [m["reasoning"] for m in turns] == ["Go.", ""]
+  assert [m["reasoning"] for m in ENV.demonstration_messages(task)
+          if m["role"] == "assistant"] == [tool_tasks.CALL_REASONING,
+                                           tool_tasks.ANSWER_REASONING]
+  with pytest.raises(config_lib.ConfigError,
+                     match="Multiply.call_reasoning: must be a string"):
+    envs.make("multiply", call_reasoning=None)
 
 
 def test_demonstration_is_a_solved_conversation_the_agent_reproduces():

@@ -163,3 +163,26 @@ def test_routing_means_over_micro_batches_equal_the_one_batch_value():
   # Meaningful values: the aux loss is about 1 when balanced.
   assert 0.5 < float(metrics[1]["router/aux_loss"]) < 4
   assert float(metrics[1]["router/entropy"]) > 0
+
+
+@pytest.mark.parametrize("algorithm", rl_step.ALGORITHMS)
+def test_policy_loss_reports_the_behaviour_logprob_gap(algorithm):
+  """policy/logp_gap is the weighted mean |log pi - old log pi| over the
+  trained tokens: 0 on-policy, the gap where the two differ (the check
+  that the trainer reproduces the rollout's log-probs), untrained tokens
+  (weight 0) ignored whatever their log-probs."""
+  config = rl_step.RLConfig(algorithm=algorithm)
+  old = np.log(np.array([[0.5, 0.25, 0.9, 0.3], [0.6, 0.7, 0.2, 0.1]],
+                        np.float32))
+  weights = np.array([[0.25, 0.25, 0.0, 0.0], [0.0, 0.25, 0.25, 0.0]],
+                     np.float32)
+  shift = np.array([[0.1, -0.3, 5.0, 5.0], [9.0, 0.2, -0.4, 9.0]],
+                   np.float32)
+  advantages = np.ones_like(old)
+  _, same = rl_step.policy_loss(jnp.asarray(old), old, advantages, weights,
+                                config=config)
+  assert float(same["policy/logp_gap"]) == 0.0
+  _, moved = rl_step.policy_loss(jnp.asarray(old + shift), old, advantages,
+                                 weights, config=config)
+  np.testing.assert_allclose(float(moved["policy/logp_gap"]),
+                             0.25 * (0.1 + 0.3 + 0.2 + 0.4), rtol=1e-5)

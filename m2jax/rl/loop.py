@@ -61,6 +61,9 @@ trained samples), return_mean (their composite return G_0, m2jax/rl/rewards.py),
 reward_generated_mean (the outcome reward of every sample the step read,
 those DAPO discarded included: the number to compare across algorithms),
 accuracy, policy_lag,
+policy/logp_gap (the trained tokens' mean |log pi - behaviour log pi| under
+the weights before the update: ~1e-6 on a sync step, where the trainer
+must reproduce the rollout's log-probs),
 policy_lag_max, samples_per_sec, trainer_idle_fraction, clip_fraction,
 entropy, loss, difficulty_mean, rollouts (samples generated so far, the
 pool's finished count), with MTP drafting (EngineConfig.mtp_draft) the

@@ -30,7 +30,8 @@ KL (kl_coef > 0): the reference policy's log-probs are computed on the
 same merged rows (`reference_logprobs`, a forward pass with the reference
 parameters) and stored in the batch before the step. The metrics
 "policy/entropy" (the policy's entropy on trained tokens, weighted like the
-loss), "policy/clip_fraction" and "policy/kl" are means under the
+loss), "policy/clip_fraction", "policy/logp_gap" (mean |log pi - behaviour
+log pi|, ~1e-6 on an on-policy step) and "policy/kl" are means under the
 algorithm's normalisation.
 
 MTP (k = 1..mtp_depth): depth k's term for token l of a sample is read
@@ -275,7 +276,9 @@ def policy_loss(logprobs_SxL, old_logprobs_SxL, advantages_SxL, weights_SxL,
   k3 KL to the reference log-probs (used only when kl_coef > 0), all
   [S, L] inputs, weighted sums with the weights of
   objectives.token_weights. Metrics: "policy/loss" (the policy term),
-  "policy/clip_fraction", "policy/tokens" and, with KL, "policy/kl"."""
+  "policy/clip_fraction", "policy/tokens", "policy/logp_gap" (the weighted
+  mean |log pi - old log pi|: the importance ratio's distance from 1) and,
+  with KL, "policy/kl"."""
   if config.algorithm == "cispo":
     loss, metrics = cispo.cispo_loss(logprobs_SxL, old_logprobs_SxL,
                                      advantages_SxL, weights_SxL,
@@ -284,6 +287,14 @@ def policy_loss(logprobs_SxL, old_logprobs_SxL, advantages_SxL, weights_SxL,
     loss, metrics = objectives.ppo_clip_loss(logprobs_SxL, old_logprobs_SxL,
                                              advantages_SxL, weights_SxL,
                                              config.policy)
+  # How far the trainer's log-probs are from the behaviour log-probs the
+  # rollout recorded: ~1e-6 on an on-policy step (the same weights), so a
+  # larger value on a sync run's tokens means the two computations of
+  # log pi disagree (a shifted mask, a mismatched context); off-policy
+  # steps add the policy's own movement.
+  metrics["policy/logp_gap"] = jnp.sum(
+      weights_SxL * jax.lax.stop_gradient(
+          jnp.abs(logprobs_SxL - old_logprobs_SxL)))
   if config.kl_coef:
     if ref_logprobs_SxL is None:
       raise ValueError("policy_loss: RLConfig.kl_coef > 0 needs the "

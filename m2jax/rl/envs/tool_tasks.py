@@ -11,6 +11,9 @@ a small model can do in its head; the calculator does it exactly.
   solution   assistant: think, then call calculator {"expression":
              "48213*90571"} (the expression is copied from the prompt);
              tool: "4366700223"; assistant: think, then "4366700223".
+             The think blocks are the fields call_reasoning and
+             answer_reasoning (the demonstration's; the policy writes its
+             own).
 
 What a tool env gives any agent (white- or black-box alike):
   env.messages(task)       the task's opening messages (one user turn)
@@ -56,8 +59,8 @@ from m2jax.rl.envs import base
 
 PROMPT = "Compute {a}*{b}. Answer with the digits only."
 _OPERANDS = re.compile(r"Compute (\d+)\*(\d+)\.")
-# The demonstration's think blocks: short, so a byte-level model's turns
-# stay short.
+# The demonstration's think blocks (the defaults of Multiply.call_reasoning
+# and .answer_reasoning): short, so a byte-level model's turns stay short.
 CALL_REASONING = "Use the calculator."
 ANSWER_REASONING = "The calculator gave the product."
 MAX_DIGITS = 100   # digits per operand at most (the product: 200)
@@ -72,6 +75,10 @@ class Multiply:
   mix: tuple[float, ...] | None = None   # weight per level; None: uniform
   valid_call_reward: float = 0.1         # process reward of a good call
   tool_description: str = "Exact arithmetic on integers."
+  # The demonstration's think blocks. Shorter ones put the operands a
+  # tiny byte-level model copies nearer to where it writes them.
+  call_reasoning: str = CALL_REASONING
+  answer_reasoning: str = ANSWER_REASONING
   call_s: float = 1.0                    # simulated seconds per model call
   latency_median_s: float = 1.0          # a tool call's median at level 1
   latency_growth: float = 1.0            # median factor per level
@@ -82,9 +89,9 @@ class Multiply:
     if not _real(self.valid_call_reward):
       base.fail(self, "valid_call_reward", "must be a finite number",
                 self.valid_call_reward)
-    if not isinstance(self.tool_description, str):
-      base.fail(self, "tool_description", "must be a string",
-                self.tool_description)
+    for field in ("tool_description", "call_reasoning", "answer_reasoning"):
+      if not isinstance(getattr(self, field), str):
+        base.fail(self, field, "must be a string", getattr(self, field))
     if not (_real(self.call_s) and self.call_s >= 0):
       base.fail(self, "call_s", "must be >= 0", self.call_s)
     base.check_latency(self)
@@ -140,11 +147,12 @@ class Multiply:
     expression = self.expression(task)
     result = self.registry().call("calculator", {"expression": expression})
     return self.messages(task) + [
-        {"role": "assistant", "reasoning": CALL_REASONING, "content": "",
+        {"role": "assistant", "reasoning": self.call_reasoning,
+         "content": "",
          "tool_calls": [{"name": "calculator",
                          "arguments": {"expression": expression}}]},
         {"role": "tool", "content": result.content},
-        {"role": "assistant", "reasoning": ANSWER_REASONING,
+        {"role": "assistant", "reasoning": self.answer_reasoning,
          "content": self.demonstration(task)}]
 
   def latency(self, task: base.Task, rng: np.random.Generator) -> float:
