@@ -60,6 +60,7 @@ from jax.sharding import PartitionSpec
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from m2jax.train import gnmr
 from m2jax.train import schedules
 from m2jax.train.config import TrainConfig
 
@@ -238,6 +239,10 @@ def make_optimizer(config: TrainConfig,
                   optax.add_decayed_weights(config.weight_decay,
                                             decay_mask(param_axes)),
                   optax.scale_by_learning_rate(lr)))
+  if config.gnmr is not None:
+    # Per-unit recovery sees the raw gradients, before the global clip.
+    opt = optax.chain(gnmr.gnmr(config.gnmr, param_axes, MUON_BATCH_AXES),
+                      opt)
   if config.mtp_only:
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "frozen" if is_frozen(config, path[0].key)
