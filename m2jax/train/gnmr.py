@@ -86,8 +86,9 @@ overflows float32) are always skipped, outside the budget and without a
 lock: applying them is never an option, and they leave the history as it
 was. Number formats, kernels and backends never change.
 
-State (GNMRState) is a few [U] vectors and the last step's metrics, all
-jnp: `update` runs inside the jitted train step, one trace per step.
+State (GNMRState) is a few [U] vectors (history, lock counters, the last
+step's action and severity per unit) and the last step's metrics, all jnp:
+`update` runs inside the jitted train step, one trace per step.
 Metrics (metrics(opt_state), logged by m2jax.train.step when gnmr is on):
   gnmr/triggered   units that crossed a threshold this step
   gnmr/admitted    of those, units that entered recovery
