@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from m2jax.config import ConfigError
+from m2jax.config import ConfigError, config_from_dict
 
 OPTIMIZERS = ("adamw", "muon", "muonsphere", "sso")
 # The optimizers that keep the hidden matrices on a spectral sphere
@@ -94,6 +94,9 @@ class TrainConfig:
   # Context extension: ((start fraction, seq_len), ...), empty = the data
   # config's seq_len throughout. Tokens per batch stay constant across stages.
   context_schedule: tuple[tuple[float, int], ...] = ()
+  # Per-unit gradient-norm monitoring and recovery before the optimizer
+  # (m2jax.train.gnmr); None = off.
+  gnmr: GNMRConfig | None = None
   # Cadence.
   log_every: int = 10
   eval_every: int = 100
@@ -151,6 +154,10 @@ class TrainConfig:
           n <= 0 for _, n in self.context_schedule):
         _fail("context_schedule", "starts must be in [0, 1) and lengths "
               "positive", self.context_schedule)
+    if isinstance(self.gnmr, dict):  # read back from a saved config
+      object.__setattr__(self, "gnmr", config_from_dict(GNMRConfig, self.gnmr))
+    if self.gnmr is not None and not isinstance(self.gnmr, GNMRConfig):
+      _fail("gnmr", "must be None or a GNMRConfig", self.gnmr)
     for name in ("log_every", "eval_every", "checkpoint_every",
                  "keep_checkpoints", "eval_batches"):
       if getattr(self, name) <= 0:
@@ -193,3 +200,44 @@ def parse_context_schedule(text: str) -> tuple[tuple[float, int], ...]:
     raise ConfigError(
         f"TrainConfig.context_schedule: {text!r} is neither a name in "
         f"{sorted(CONTEXT_SCHEDULES)} nor FRACTION:SEQ_LEN,...") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GNMRConfig:
+  """GNMR's constants; m2jax.train.gnmr's docstring says what each does
+  and why its default is what it is."""
+
+  history_decay: float = 0.95     # long EMA of a unit's norm (~20 steps)
+  short_decay: float = 0.5        # short window of Delta-GNMR (~2 steps)
+  warmup_steps: int = 50          # observations before a unit may trigger
+  ratio_threshold: float = 8.0    # GNMR = norm / history mean
+  delta_threshold: float = 8.0    # Delta-GNMR = norm / short-window mean
+  skip_ratio: float = 100.0       # GNMR from which the update is dropped
+  clip_to: float = 2.0            # a recovering unit's norm cap / its mean
+  history_cap: float = 3.0        # an observation enters as <= cap * mean
+  max_recovering: int = 8         # maxO: units in recovery at once
+  lock_steps: int = 10            # steps a unit stays in recovery
+
+  def __post_init__(self):
+    def fail(field, rule):
+      raise ConfigError(f"GNMRConfig.{field}: {rule} (got "
+                        f"{getattr(self, field)!r})")
+
+    for name in ("history_decay", "short_decay"):
+      if not 0 <= getattr(self, name) < 1:
+        fail(name, "must be in [0, 1)")
+    for name in ("ratio_threshold", "delta_threshold"):
+      if not getattr(self, name) > 1:
+        fail(name, "must be > 1 (a ratio to a mean)")
+    if not self.skip_ratio >= self.ratio_threshold:
+      fail("skip_ratio", f"must be >= ratio_threshold ({self.ratio_threshold})")
+    if not self.clip_to > 0:
+      fail("clip_to", "must be positive")
+    if not self.history_cap >= 1:
+      fail("history_cap", "must be >= 1")
+    if self.warmup_steps < 1:
+      fail("warmup_steps", "must be >= 1")
+    if self.max_recovering < 0:
+      fail("max_recovering", "must be >= 0")
+    if self.lock_steps < 1:
+      fail("lock_steps", "must be >= 1")

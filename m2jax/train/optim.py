@@ -70,6 +70,7 @@ from jax.sharding import PartitionSpec
 import optax
 from optax.contrib import MuonDimensionNumbers
 
+from m2jax.train import gnmr
 from m2jax.train import schedules
 from m2jax.train import sso
 from m2jax.train.config import SPHERE_OPTIMIZERS, TrainConfig
@@ -288,6 +289,10 @@ def make_optimizer(config: TrainConfig,
     # one decay mask for both optimizers.
     update = optax.chain(direction, decay, optax.scale_by_learning_rate(lr))
   opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), update)
+  if config.gnmr is not None:
+    # Per-unit recovery sees the raw gradients, before the global clip.
+    opt = optax.chain(gnmr.gnmr(config.gnmr, param_axes, MUON_BATCH_AXES),
+                      opt)
   if config.mtp_only:
     labels = lambda params: jax.tree_util.tree_map_with_path(
         lambda path, _: "frozen" if is_frozen(config, path[0].key)

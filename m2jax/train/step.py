@@ -20,6 +20,7 @@ import optax
 from m2jax import model
 from m2jax import sharding
 from m2jax.config import ModelConfig
+from m2jax.train import gnmr
 from m2jax.train import losses, schedules
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
@@ -60,6 +61,7 @@ def apply_gradients(state: TrainState, grads, out: model.ModelOutput, *,
           for k, v in bias.items()}
   metrics = {"grad_norm": optax.tree.norm(grads),
              "lr": schedules.learning_rate(train_config)(state.step)}
+  metrics.update(gnmr.metrics(opt_state))  # {} when GNMR is off
   if out.routing is not None:
     dropped = jnp.sum(out.routing.dropped)
     if out.mtp_routing is not None:
@@ -68,14 +70,24 @@ def apply_gradients(state: TrainState, grads, out: model.ModelOutput, *,
   return TrainState(state.step + 1, params, opt_state, bias), metrics
 
 
-def train_step(state: TrainState, batch, *, model_config: ModelConfig,
-               train_config: TrainConfig):
-  """One optimizer step; returns the new state and float32 metrics."""
+def gradients(state: TrainState, batch, *, model_config: ModelConfig,
+              train_config: TrainConfig):
+  """(loss metrics, model output, raw gradients) of one batch: the first
+  half of train_step, for callers that act between the two halves (the
+  GNMR stress harness injects faults there)."""
   grad_fn = jax.value_and_grad(
       functools.partial(_loss_fn, mcfg=model_config, tcfg=train_config),
       has_aux=True)
   (_, (metrics, out)), grads = grad_fn(state.params, state.expert_bias, batch,
                                        state.step)
+  return metrics, out, grads
+
+
+def train_step(state: TrainState, batch, *, model_config: ModelConfig,
+               train_config: TrainConfig):
+  """One optimizer step; returns the new state and float32 metrics."""
+  metrics, out, grads = gradients(state, batch, model_config=model_config,
+                                  train_config=train_config)
   state, step_metrics = apply_gradients(state, grads, out,
                                         model_config=model_config,
                                         train_config=train_config)
