@@ -59,7 +59,9 @@ class Settings:
   """How a step runs (see the module docstring). Defaults pick the fastest
   implementation for the device and never drop a token.
 
-  attention: "auto" | "xla" | "cudnn", for causal and sliding-window rows.
+  attention: "auto" | "xla" | "cudnn", for causal and sliding-window rows
+    ("auto": cuDNN on a GPU for bf16/fp16 activations, which is all cuDNN
+    takes, else XLA; m2jax.model.attention.attention_impl).
   tree_attention: backend and tiles of the prefix-tree attention kernels
     (kernels.tree_attention.TreeAttentionConfig; backend "auto" | "xla" |
     "mosaic" | "triton"); used by full-attention layers of tree-layout rows.

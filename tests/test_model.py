@@ -410,3 +410,16 @@ def test_dense_ffn_variant_and_bf16():
           getattr(k, "key", None) == "mlp" for k in p) else w, v)
   assert rel(_forward(cfg)(no_ffn, tok).logits,
              np.asarray(out.logits, np.float64)) > 5e-2
+
+
+def test_auto_attention_picks_cudnn_only_for_half_precision_on_a_gpu():
+  """cuDNN's fused attention refuses float32: "auto" must fall back to the
+  XLA reference for a float32 model on a GPU (the tiny preset loaded by
+  sft.load_init there failed before), and to XLA everywhere off a GPU."""
+  pick = attention.attention_impl
+  assert pick("auto", jnp.bfloat16, "gpu") == "cudnn"
+  assert pick("auto", jnp.float16, "gpu") == "cudnn"
+  assert pick("auto", jnp.float32, "gpu") == "xla"
+  assert pick("auto", jnp.bfloat16, "cpu") == "xla"
+  assert pick("cudnn", jnp.float32, "gpu") == "cudnn"   # asked for: kept
+  assert pick("xla", jnp.bfloat16, "gpu") == "xla"

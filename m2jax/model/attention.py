@@ -78,10 +78,24 @@ def dot_product_attention_xla(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
   return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
 
 
+# The dtypes cuDNN's fused attention takes; it refuses float32.
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention_impl(impl: str, dtype, backend: str) -> str:
+  """The implementation "auto" stands for: cuDNN flash attention on a GPU
+  for half-precision inputs, else the XLA reference (CPU, and float32
+  models such as the tiny preset on a GPU); an explicit choice is kept."""
+  if impl != "auto":
+    return impl
+  half = any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES)
+  return "cudnn" if backend == "gpu" and half else "xla"
+
+
 def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
-  """Dispatch to cuDNN flash attention on GPU or the XLA reference."""
-  if impl == "auto":
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  """Dispatch to cuDNN flash attention or the XLA reference
+  (attention_impl says which "auto" picks)."""
+  impl = attention_impl(impl, q.dtype, jax.default_backend())
   if impl == "xla":
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
