@@ -2,7 +2,8 @@
 
 `write_report(results, out_dir)` writes
   report.md           one table per grid: validation loss and bits per
-                      byte, routing balance, task accuracy per context length
+                      byte, routing balance, task accuracy per context
+                      length, and MQAR accuracy per gap when scored
   loss_curves.png     the next-token loss: training (smoothed) and
                       validation, against steps on a log scale
   router_balance.png  the routers' load balance (max / mean expert load - 1)
@@ -241,7 +242,39 @@ def markdown(results: dict) -> str:
       row = [name, task] + [
           f"{np.mean([r['tasks'][task][n] for r in rs]):.2f}" for n in lengths]
       out.append("| " + " | ".join(row) + " |")
+  out += mqar_table(results)
   return "\n".join(out) + "\n"
+
+
+def mqar_table(results: dict) -> list[str]:
+  """Markdown lines: MQAR accuracy (mean ± std over seeds) per arm and gap,
+  for sweeps that scored it (SweepConfig.mqar_gaps); else no lines."""
+  runs = {name: rs for name, rs in _by_variant(results).items()
+          if all(r.get("mqar") for r in rs)}
+  if not runs:
+    return []
+  first = next(iter(runs.values()))[0]
+  gaps = list(first["mqar"])
+  sweep = results["sweep"]
+  pairs, window = sweep.get("mqar_pairs"), sweep.get("window")
+  layers = results.get("base", {}).get("num_layers")
+  out = ["", "## MQAR: accuracy on the queried values per gap", "",
+         f"{pairs} key-value pairs, `gap` filler characters, then every key "
+         f"queried: a query is gap + 2 to gap + {4 * pairs - 2} tokens after "
+         f"its pair. Chance {first['mqar_chance']:.3f}."]
+  if sweep.get("grid") == "attention" and layers:
+    out[-1] += (f" All-SWA ({layers} layers, window {window}) reaches "
+                f"{layers * (window - 1)} tokens back: at gap >= "
+                f"{layers * (window - 1)} no pair is in its reach.")
+  out.append("")
+  head = ["variant", "seeds"] + [f"gap {g}" for g in gaps]
+  out.append("| " + " | ".join(head) + " |")
+  out.append("|" + "---|" * len(head))
+  for name, rs in runs.items():
+    out.append("| " + " | ".join(
+        [name, str(len(rs))] + [_pm([r["mqar"][g] for r in rs])
+                                for g in gaps]) + " |")
+  return out
 
 
 def write_report(results: dict, out_dir: str) -> dict[str, str]:

@@ -11,6 +11,11 @@ the synthetic long-context tasks and routing balance. Grids (SPEC §2):
              top-1, k-times wider): equal active and equal total parameters
   gating     sigmoid + routing bias (aux-loss-free) vs softmax + aux loss
 
+With `mqar_fraction` > 0 part of the synthetic training documents are MQAR
+sequences (m2jax.eval.mqar) at gaps 0..max(mqar_gaps), and every run is also
+scored on MQAR at each of `mqar_gaps`: the attention grid's retrieval test
+(pairs inside vs beyond the sliding window).
+
 Layout of a sweep directory:
   data/{train,validation}.jsonl   training data (synthetic task documents)
   runs/<variant>/seed<k>/         one pretrain workdir per run
@@ -34,7 +39,7 @@ from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
                           config_to_dict)
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.errors import MissingPathError
-from m2jax.eval import scoring, tasks as tasks_lib
+from m2jax.eval import mqar, scoring, tasks as tasks_lib
 from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import write_json
 from m2jax.train.config import TrainConfig
@@ -42,6 +47,10 @@ from m2jax.train.loop import pretrain
 from m2jax.train.metrics import read_metrics
 
 GRIDS = ("attention", "mtp", "experts", "gating")
+# Filler before an MQAR document's first pair: BOS and these characters
+# cover the sinks arm's 4 sink tokens, so no pair is visible to an SWA layer
+# through a sink.
+MQAR_OFFSET = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +115,14 @@ class SweepConfig:
   eval_tasks: tuple[str, ...] = tasks_lib.TASKS
   examples_per_point: int = 16
   eval_batches: int = 8
+  # MQAR (m2jax.eval.mqar): this fraction of the synthetic training
+  # documents, `mqar_pairs` pairs all queried, gaps drawn from
+  # 0..max(mqar_gaps); each run is scored at every gap of `mqar_gaps` on
+  # `mqar_examples` held-out sequences.
+  mqar_fraction: float = 0.0
+  mqar_pairs: int = 8
+  mqar_gaps: tuple[int, ...] = ()
+  mqar_examples: int = 64
 
   def __post_init__(self):
     if self.grid not in GRIDS:
@@ -124,6 +141,45 @@ class SweepConfig:
           f"SweepConfig.eval_lengths: {max(self.eval_lengths)} (+ answer) "
           f"exceeds seq_len={self.seq_len}; models are scored only on lengths "
           "they were trained at")
+    if not 0.0 <= self.mqar_fraction < 1.0:
+      raise ConfigError(f"SweepConfig.mqar_fraction: must be in [0, 1) "
+                        f"(got {self.mqar_fraction})")
+    if self.mqar_fraction and self.data != "synthetic":
+      raise ConfigError(f"SweepConfig.mqar_fraction: MQAR documents join "
+                        f"only data='synthetic' (got data={self.data!r})")
+    if self.mqar_fraction and not self.mqar_gaps:
+      raise ConfigError("SweepConfig.mqar_gaps: name the gaps to score "
+                        "(training draws gaps up to the largest)")
+    try:
+      fmt = mqar_config(self)
+    except ConfigError as e:
+      raise ConfigError(f"SweepConfig.mqar_pairs: {e}") from None
+    if self.mqar_gaps and min(self.mqar_gaps) < 0:
+      raise ConfigError(f"SweepConfig.mqar_gaps: must be >= 0 (got "
+                        f"{self.mqar_gaps})")
+    if self.mqar_gaps:
+      longest = fmt.replace(
+          gap=max(self.mqar_gaps)).content_length + 2  # + BOS, EOS
+      if longest > self.seq_len:
+        raise ConfigError(
+            f"SweepConfig.mqar_gaps: an MQAR sequence at gap "
+            f"{max(self.mqar_gaps)} is {longest} tokens, longer than "
+            f"seq_len={self.seq_len} (its queries would lose their pairs)")
+
+
+def mqar_config(cfg: SweepConfig) -> mqar.MQARConfig:
+  """The sweep's MQAR format (the gap is set per document)."""
+  return mqar.MQARConfig(pairs=cfg.mqar_pairs, offset=MQAR_OFFSET)
+
+
+def score_mqar(mcfg: ModelConfig, variables, tokenizer,
+               cfg: SweepConfig) -> dict[str, float]:
+  """{gap: accuracy on the queried values} at each of `cfg.mqar_gaps`."""
+  base = mqar_config(cfg)
+  return {str(gap): mqar.accuracy(
+      mcfg, variables, tokenizer,
+      mqar.eval_examples(base.replace(gap=gap), cfg.mqar_examples))
+          for gap in cfg.mqar_gaps}
 
 
 def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
@@ -139,14 +195,21 @@ def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
   top = max(tasks_lib.MIN_LENGTH, cfg.seq_len - 32)
   lengths = sorted(set(np.linspace(tasks_lib.MIN_LENGTH, top, 8).astype(int)))
   # Validation holds only the evaluated formats (no drills).
-  for path, n, seed, drills in (
-      (paths[0], cfg.train_documents, 0, cfg.drill_fraction),
-      (paths[1], max(64, cfg.train_documents // 20), 1, 0.0)):
+  # MQAR documents follow the task documents (the pipeline shuffles);
+  # validation, like the drills, holds none.
+  n_mqar = round(cfg.train_documents * cfg.mqar_fraction)
+  for path, n, seed, drills, n_mqar in (
+      (paths[0], cfg.train_documents - n_mqar, 0, cfg.drill_fraction, n_mqar),
+      (paths[1], max(64, cfg.train_documents // 20), 1, 0.0, 0)):
     tmp = path + ".tmp"
+    docs = tasks_lib.training_documents(n, lengths, seed=seed + 1,
+                                        tasks=cfg.eval_tasks,
+                                        drill_fraction=drills)
+    if n_mqar:
+      docs += mqar.training_documents(
+          n_mqar, mqar_config(cfg), range(max(cfg.mqar_gaps) + 1), seed=seed)
     with open(tmp, "w", encoding="utf-8") as f:
-      for doc in tasks_lib.training_documents(n, lengths, seed=seed + 1,
-                                              tasks=cfg.eval_tasks,
-                                              drill_fraction=drills):
+      for doc in docs:
         f.write(json.dumps({"text": doc}) + "\n")
     os.replace(tmp, path)
   return tuple(paths)
@@ -187,6 +250,7 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
   scores = scoring.evaluate_tasks(
       mcfg, variables, tokenizer, lengths=list(cfg.eval_lengths),
       tasks=cfg.eval_tasks, examples_per_point=cfg.examples_per_point)
+  mqar_scores = score_mqar(mcfg, variables, tokenizer, cfg)
   lines = read_metrics(run_dir)
   train_lines = [l for l in lines if "loss" in l]
   tail = train_lines[-max(1, len(train_lines) // 10):]
@@ -209,6 +273,8 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
                         if "router/load_max_over_mean" in l],
       "val_loss": summary["val_loss"], "val_bpb": summary["val_bpb"],
       "tasks": {t: {str(n): a for n, a in s.items()} for t, s in scores.items()},
+      # {gap: accuracy} (empty without mqar_gaps); chance 1 / value_vocab.
+      "mqar": mqar_scores, "mqar_chance": mqar_config(cfg).chance,
       "routing": {"load_cv": mean_of("router/load_cv"),
                   "load_max_over_mean": mean_of("router/load_max_over_mean")},
   }

@@ -5,6 +5,9 @@
   scoring.py  exact match by teacher forcing; evaluate_tasks over lengths
   recall.py   associative-recall batches and accuracy (can a config
               retrieve at all? experiments.recall_check)
+  mqar.py     multi-query associative recall (Zoology's MQAR) with the
+              distance between pairs and queries controlled: accuracy on
+              the queried values, inside or beyond a sliding window
 Validation loss in nats and bits per byte is m2jax.train.loop.evaluate.
 """
 

@@ -51,22 +51,39 @@ def exact_match(config: ModelConfig, variables, tokenizer,
 def exact_match_tokens(config: ModelConfig, variables, encoded, pad_id: int,
                        batch_size: int = 8) -> np.ndarray:
   """Like exact_match, on (prompt ids, answer ids) pairs."""
-  correct = np.zeros(len(encoded), bool)
-  for start in range(0, len(encoded), batch_size):
-    chunk = encoded[start:start + batch_size]
-    longest = max(len(p) + len(a) for p, a in chunk)
-    T = padded_length(longest)
+  hits = target_hits(
+      config, variables,
+      [(list(p) + list(a), range(len(p), len(p) + len(a))) for p, a in encoded],
+      pad_id, batch_size)
+  return np.array([h.all() for h in hits], bool)
+
+
+def target_hits(config: ModelConfig, variables, rows, pad_id: int,
+                batch_size: int = 8) -> list[np.ndarray]:
+  """Teacher-forced greedy hits on chosen tokens.
+
+  Args:
+    rows: (ids, targets) pairs: a sequence's token ids and the indices of
+      the tokens to predict (each > 0).
+  Returns:
+    Per row, a bool per target index t: is the argmax of the prediction at
+    position t - 1, with ids[:t] in context, the token ids[t]?
+  """
+  hits = []
+  for start in range(0, len(rows), batch_size):
+    chunk = rows[start:start + batch_size]
+    T = padded_length(max(len(ids) for ids, _ in chunk))
     tokens = np.full((batch_size, T), pad_id, np.int32)
     seg = np.zeros((batch_size, T), np.int32)
-    for i, (p, a) in enumerate(chunk):
-      tokens[i, :len(p) + len(a)] = list(p) + list(a)
-      seg[i, :len(p) + len(a)] = 1
+    for i, (ids, _) in enumerate(chunk):
+      tokens[i, :len(ids)] = ids
+      seg[i, :len(ids)] = 1
     pred = np.asarray(_argmax(config, variables, tokens, seg))
-    for i, (p, a) in enumerate(chunk):
-      # Position t predicts token t + 1; the answer starts at len(p).
-      got = pred[i, len(p) - 1:len(p) - 1 + len(a)]
-      correct[start + i] = np.array_equal(got, np.asarray(a))
-  return correct
+    for i, (ids, targets) in enumerate(chunk):
+      targets = np.asarray(targets, np.int64)
+      # Position t predicts token t + 1.
+      hits.append(pred[i, targets - 1] == tokens[i, targets])
+  return hits
 
 
 def evaluate_tasks(config: ModelConfig, variables, tokenizer, *,
