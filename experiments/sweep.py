@@ -3,6 +3,8 @@ r"""Run an ablation sweep (resumable) and write its report.
   python -m experiments.sweep --grid=attention --preset=tiny --steps=300 \
       --seeds=0,1 --sweep_dir=runs/sweep_attention
   python -m experiments.sweep --grid=experts ...   # mtp, experts, gating
+  python -m experiments.sweep --grid=attention --window=32 \
+      --mqar_fraction=0.5 --mqar_gaps=0,64 ...   # MQAR inside/beyond SWA
 
 Rerunning the same command skips finished runs and resumes a killed (or
 Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
@@ -38,7 +40,15 @@ flags.DEFINE_list("variants", [], "Arms of the grid to run now (default: "
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
-cli.integer_lists("seeds", "eval_lengths")
+flags.DEFINE_float("mqar_fraction", 0.0, "Fraction of the synthetic training "
+                   "documents that are MQAR sequences (m2jax.eval.mqar) at "
+                   "gaps 0..max(--mqar_gaps).")
+flags.DEFINE_integer("mqar_pairs", 8, "MQAR key-value pairs (all queried).")
+flags.DEFINE_list("mqar_gaps", [], "Gaps (filler between pairs and queries) "
+                  "MQAR is scored at: some inside the sliding window, some "
+                  "beyond num_layers * (window - 1).")
+flags.DEFINE_integer("mqar_examples", 64, "Held-out MQAR sequences per gap.")
+cli.integer_lists("seeds", "eval_lengths", "mqar_gaps")
 
 
 def main(argv):
@@ -53,7 +63,10 @@ def main(argv):
       train_documents=FLAGS.train_documents,
       drill_fraction=FLAGS.drill_fraction, variants=tuple(FLAGS.variants),
       eval_lengths=tuple(int(n) for n in FLAGS.eval_lengths),
-      examples_per_point=FLAGS.examples_per_point)
+      examples_per_point=FLAGS.examples_per_point,
+      mqar_fraction=FLAGS.mqar_fraction, mqar_pairs=FLAGS.mqar_pairs,
+      mqar_gaps=tuple(int(g) for g in FLAGS.mqar_gaps),
+      mqar_examples=FLAGS.mqar_examples)
   sweep_dir = FLAGS.sweep_dir or f"runs/sweep_{FLAGS.grid}"
   results = sweep.run_sweep(base, cfg, sweep_dir)
   paths = report.write_report(results, sweep_dir)

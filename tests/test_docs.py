@@ -100,6 +100,11 @@ COMMANDS = {
         (PY, "-m", "experiments.recall_check", "--steps=2", "--batch_size=2",
          "--override=num_layers=1"), "recall",
         status=1),  # two steps learn no recall: the FAIL verdict exits 1
+    "python -m experiments.recall_check --task=mqar --pairs=4 "
+    "--hidden_size=128 --num_layers=2 --learning_rate=1e-3 --steps=2000 "
+    "--train_gaps=0,8,16,24,32 --eval_gaps=0,32": Skip(
+        "a CPU calibration of many minutes; its code path runs at tiny "
+        "shapes in tests/test_mqar.py's recall_check smoke test"),
     "python -m experiments.sft --workdir=runs/sft --init=runs/demo": Run(
         (PY, "-m", "experiments.sft", "--workdir={TMP}/sft", "--init={RUN}",
          *SFT_TINY, "--steps=2"), "sft"),
