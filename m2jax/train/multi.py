@@ -331,6 +331,11 @@ def _train(members, mcfg, tcfg, dcfg, update_scale, progress):
     with interrupt.StopOnSignal() as stop:
       if start == 0:
         eval_and_log(0)
+      elif start == tcfg.steps:  # finished before: its summary, no new line
+        for i, m in enumerate(members):
+          summaries[i].update(loop.evaluate(eval_fn, unstack(stacked, i),
+                                            m.run.data, m.tokenizer,
+                                            tcfg.eval_batches))
       tick, tick_steps = time.perf_counter(), 0
       for step in range(start, tcfg.steps):
         batches = stack([{k: np.asarray(v) for k, v in next(m.iterator).items()}
