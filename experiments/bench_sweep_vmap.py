@@ -43,7 +43,8 @@ from m2jax.train.metrics import peak_flops
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "tiny", "Model preset.")
 flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE.")
-flags.DEFINE_list("models", ["1", "2", "4"], "Models per program (N).")
+flags.DEFINE_list("models", ["1", "2", "4"], "Models per program (N); the "
+                  "first 1 is the one-at-a-time baseline.")
 flags.DEFINE_integer("batch_size", 4, "Rows per batch, per model.")
 flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
 flags.DEFINE_integer("steps", 10, "Timed steps (after 3 warm-up steps).")
@@ -152,21 +153,29 @@ def main(argv):
   result = dict(timing.run_header(), active_params=counts["active_params"],
                 total_params=counts["total_params"],
                 peak_bf16_tflops=(peak_flops() or 0) / 1e12, backends={})
+
+  def save():  # after every measurement: a run cut by a timeout keeps them
+    if FLAGS.output:
+      os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
+      with open(FLAGS.output, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+
   for backend in FLAGS.backends:
     mcfg = _model(backend)
-    rows = [bench_step(mcfg, int(n)) for n in FLAGS.models]
-    one = next((r for r in rows if r["models"] == 1 and "error" not in r),
-               None)
-    for r in rows:
-      if one is not None and "error" not in r:
+    entry = result["backends"][backend] = {"step": []}
+    for n in FLAGS.models:
+      r = bench_step(mcfg, int(n))
+      one = entry["step"][0] if entry["step"] else r
+      if one["models"] == 1 and "error" not in one and "error" not in r:
         r["speedup_vs_sequential"] = r["models"] * one["step_s"] / r["step_s"]
+      entry["step"].append(r)
       print(json.dumps(r), flush=True)
-    entry = {"step": rows}
+      save()
     if FLAGS.sweep_steps:
       with tempfile.TemporaryDirectory() as d:
         entry["sweep"] = bench_sweep(mcfg, FLAGS.sweep_models, d)
       print(json.dumps(entry["sweep"]), flush=True)
-    result["backends"][backend] = entry
+      save()
   print(f"\n{result['device']}: {FLAGS.preset} {FLAGS.override} "
         f"B={FLAGS.batch_size} T={FLAGS.seq_len} per model")
   for backend, entry in result["backends"].items():
@@ -184,10 +193,6 @@ def main(argv):
       print(f"  {backend} sweep of {s['models']} seeds x {s['steps']} steps: "
             f"{s['sequential_s']:.1f} s one by one, {s['vmapped_s']:.1f} s "
             f"in one program (x{s['speedup']:.2f})")
-  if FLAGS.output:
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
