@@ -4,6 +4,8 @@ r"""Run an ablation sweep (resumable) and write its report.
       --seeds=0,1 --sweep_dir=runs/sweep_attention
   python -m experiments.sweep --grid=experts ...   # mtp, experts, gating
 
+--parallel trains the seeds of each arm as one vmapped program (one
+compile, several small models filling the GPU); the results are the same.
 Rerunning the same command skips finished runs and resumes a killed (or
 Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
 now; results.json and the report always cover every finished run of
@@ -38,6 +40,10 @@ flags.DEFINE_list("variants", [], "Arms of the grid to run now (default: "
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
+flags.DEFINE_bool("parallel", False, "Train the runs that can share a program "
+                  "(an arm's seeds; arms differing only in learning rate) as "
+                  "one vmapped program (m2jax.train.multi): same results, "
+                  "several small models per GPU.")
 cli.integer_lists("seeds", "eval_lengths")
 
 
@@ -53,7 +59,7 @@ def main(argv):
       train_documents=FLAGS.train_documents,
       drill_fraction=FLAGS.drill_fraction, variants=tuple(FLAGS.variants),
       eval_lengths=tuple(int(n) for n in FLAGS.eval_lengths),
-      examples_per_point=FLAGS.examples_per_point)
+      examples_per_point=FLAGS.examples_per_point, parallel=FLAGS.parallel)
   sweep_dir = FLAGS.sweep_dir or f"runs/sweep_{FLAGS.grid}"
   results = sweep.run_sweep(base, cfg, sweep_dir)
   paths = report.write_report(results, sweep_dir)
