@@ -4,7 +4,9 @@
 # The base model: 4 layers, hidden 256, GQA 8/4 (head_dim 32), 8 experts
 # top-2 (F=256), bf16; 32 x 1024 tokens per step; synthetic task documents
 # with half retrieval drills. Seed 0 of every arm first, then seed 1 (the
-# sweep resumes), so a call that runs out of time still covers every arm.
+# sweep resumes), so a call that runs out of time still covers every arm;
+# PARALLEL=1 instead trains all SEEDS of an arm as one vmapped program
+# (--parallel, m2jax.train.multi), arm after arm.
 # Carry .whl (grain, array_record, portpicker, tensorboardX). Results: $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -31,8 +33,12 @@ run() {  # run SEEDS [more sweep flags]: one resumable sweep invocation
     --train_documents=60000 --drill_fraction=0.5 --sweep_dir=$DIR \
     --seeds=$seeds "$@" 2>&1 | tr '\r' '\n' | grep -E '^\[sweep|Error|error' | tail -20
 }
-run 0 "$@"
-run "$SEEDS" "$@"
+if [[ -n "${PARALLEL:-}" ]]; then  # every seed of an arm in one program
+  run "$SEEDS" --parallel "$@"
+else
+  run 0 "$@"
+  run "$SEEDS" "$@"
+fi
 echo "sweep took $(( $(date +%s) - START )) s"
 mkdir -p $OUT/$GRID
 cp $DIR/results.json $OUT/$GRID/ 2>/dev/null

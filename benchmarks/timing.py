@@ -1,12 +1,14 @@
 """The device timer (time_fn; time_steps for steps that carry a state), the
-error metric, the copy bandwidth and the header of a results file that every
-benchmark uses."""
+error metric, the copy bandwidth, the header of a results file that every
+benchmark uses, and nvidia-smi's utilisation sampled during a run."""
 
 from __future__ import annotations
 
 import datetime
 import statistics
+import subprocess
 import sys
+import threading
 import time
 
 from absl import flags
@@ -113,3 +115,47 @@ def run_header() -> dict:
           "jax": jax.__version__,
           "flags": {f.name: f.value for f in
                     flags.FLAGS.get_key_flags_for_module(sys.argv[0])}}
+
+
+class GpuSampler:
+  """nvidia-smi's GPU utilisation (% of time a kernel ran) and memory,
+  sampled every `interval` s in a thread while the `with` block runs; no
+  samples where nvidia-smi is absent (a CPU). `summary()` after the block:
+  {"util_mean", "util_max", "memory_used_mib_max", "samples"} or None."""
+
+  QUERY = ("nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+           "--format=csv,noheader,nounits", "--id=0")
+
+  def __init__(self, interval: float = 0.2):
+    self.interval = interval
+    self.samples: list[tuple[float, float]] = []
+    self._stop = threading.Event()
+    self._thread = None
+
+  def _sample(self):
+    while not self._stop.is_set():
+      try:
+        line = subprocess.run(self.QUERY, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        util, mem = (float(x) for x in line.split(",")[:2])
+      except (OSError, subprocess.SubprocessError, ValueError):
+        return  # no nvidia-smi (or no GPU): no samples
+      self.samples.append((util, mem))
+      self._stop.wait(self.interval)
+
+  def __enter__(self) -> "GpuSampler":
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._stop.set()
+    self._thread.join()
+
+  def summary(self) -> dict | None:
+    if not self.samples:
+      return None
+    util = [u for u, _ in self.samples]
+    return {"util_mean": statistics.fmean(util), "util_max": max(util),
+            "memory_used_mib_max": max(m for _, m in self.samples),
+            "samples": len(util)}

@@ -160,18 +160,7 @@ def measure(init: sft.Init) -> dict:
   # RL sees; run whole sampled episodes one request per episode.
   params = SamplingParams(temperature=1.0, max_tokens=_MAX_NEW.value, seed=7,
                           stop=(chat.END_OF_TURN,), include_stop_str_in_output=True)
-  episodes = [agent.start(env.messages(t)) for t in tasks]
-  live = {engine.add_request(e.prompt, params): e for e in episodes}
-  while live:
-    engine.step()
-    for rid in [r for r in live if engine.done(r)]:
-      episode = live.pop(rid)
-      sample = engine.result(rid)[0]
-      engine.release(rid)
-      episode.advance(whitebox.Completion(sample.tokens, sample.logprobs, 0,
-                                          sample.finish_reason))
-      if not episode.done:
-        live[engine.add_request(episode.prompt, params)] = episode
+  episodes = agent_rollout.run_episodes(engine, env, agent, tasks, params)
   verdicts = [env.verify(t, e.answer or "") for t, e in zip(tasks, episodes)]
   calls = [c for e in episodes for c in e.calls if c.results]
   good = [c for c in calls if not any(r.error for r in c.results)]

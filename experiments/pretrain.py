@@ -84,6 +84,10 @@ flags.DEFINE_string("context_schedule", "",
                     "--steps where that stage starts (the first 0), e.g. "
                     "0:256,0.75:1024; tokens per batch are kept.")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")
+flags.DEFINE_list("gnmr", None, "GNMR, per-unit gradient-norm recovery "
+                  "(m2jax.train.gnmr): 'on' for its defaults, or GNMRConfig "
+                  "FIELD=VALUE,... (e.g. max_recovering=4,lock_steps=20); "
+                  "unset: off.")
 flags.DEFINE_integer("seed", 0, "Init and data seed.")
 train_flags.define_cadence(eval_every=100, eval_batches=8)
 flags.DEFINE_integer("sample_tokens", 96, "Greedy sample length at the end.")
@@ -108,14 +112,16 @@ TRAIN_FLAGS = {
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "mtp_weight_final": "mtp_weight_final",
     "z_loss": "z_loss_coef", "aux_loss": "aux_loss_coef",
-    "context_schedule": "context_schedule", **train_flags.CADENCE_FLAGS}
+    "context_schedule": "context_schedule", "gnmr": "gnmr",
+    **train_flags.CADENCE_FLAGS}
 
 
 def _given(table: dict[str, str], *, explicit_only: bool
            ) -> dict[str, resume.Given]:
   return train_flags.given(
       table, explicit_only=explicit_only,
-      convert={"context_schedule": parse_context_schedule})
+      convert={"context_schedule": parse_context_schedule,
+               "gnmr": train_flags.parse_gnmr})
 
 
 def _model_given(base: config_lib.ModelConfig) -> dict[str, resume.Given]:

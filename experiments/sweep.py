@@ -6,6 +6,8 @@ r"""Run an ablation sweep (resumable) and write its report.
   python -m experiments.sweep --grid=attention --window=32 \
       --mqar_fraction=0.5 --mqar_gaps=0,64 ...   # MQAR inside/beyond SWA
 
+--parallel trains the seeds of each arm as one vmapped program (one
+compile, several small models filling the GPU); the results are the same.
 Rerunning the same command skips finished runs and resumes a killed (or
 Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
 now; results.json and the report always cover every finished run of
@@ -40,6 +42,10 @@ flags.DEFINE_list("variants", [], "Arms of the grid to run now (default: "
 flags.DEFINE_list("eval_lengths", ["128", "256", "512", "960"],
                   "Context lengths of the long-context tasks.")
 flags.DEFINE_integer("examples_per_point", 16, "Examples per task and length.")
+flags.DEFINE_bool("parallel", False, "Train the runs that can share a program "
+                  "(an arm's seeds; arms differing only in learning rate) as "
+                  "one vmapped program (m2jax.train.multi): same results, "
+                  "several small models per GPU.")
 flags.DEFINE_float("mqar_fraction", 0.0, "Fraction of the synthetic training "
                    "documents that are MQAR sequences (m2jax.eval.mqar) at "
                    "gaps 0..max(--mqar_gaps).")
@@ -63,7 +69,7 @@ def main(argv):
       train_documents=FLAGS.train_documents,
       drill_fraction=FLAGS.drill_fraction, variants=tuple(FLAGS.variants),
       eval_lengths=tuple(int(n) for n in FLAGS.eval_lengths),
-      examples_per_point=FLAGS.examples_per_point,
+      examples_per_point=FLAGS.examples_per_point, parallel=FLAGS.parallel,
       mqar_fraction=FLAGS.mqar_fraction, mqar_pairs=FLAGS.mqar_pairs,
       mqar_gaps=tuple(int(g) for g in FLAGS.mqar_gaps),
       mqar_examples=FLAGS.mqar_examples)

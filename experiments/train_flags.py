@@ -15,7 +15,9 @@ from typing import Any
 
 from absl import flags
 
+from m2jax import config as config_lib
 from m2jax.train import resume
+from m2jax.train.config import GNMRConfig
 
 FLAGS = flags.FLAGS
 
@@ -62,3 +64,12 @@ def given(table: Mapping[str, str], *, explicit_only: bool = True,
     out[field] = resume.Given(convert[flag](value) if flag in convert
                               else value, f"--{flag}={value}")
   return out
+
+
+def parse_gnmr(items):
+  """--gnmr's value -> TrainConfig.gnmr: None (unset), GNMRConfig() ('on'),
+  or GNMRConfig with FIELD=VALUE overrides."""
+  if not items:
+    return None
+  items = [i for i in items if i.strip() != "on"]
+  return config_lib.apply_overrides(GNMRConfig(), items)

@@ -22,6 +22,9 @@ Layout of a sweep directory:
   runs/<variant>/seed<k>/result.json   written when the run is finished
   results.json                    every finished run of the directory, of
                                   whichever invocation (what report.py reads)
+With `parallel` the runs that can share a program (the seeds of an arm,
+arms that differ only in learning rate) train as one vmapped program
+(m2jax.train.multi) into the same run directories and result files.
 A rerun skips finished runs and resumes a killed (or Ctrl-C'd) one from its
 checkpoint; `--variants` and `--seeds` choose what to run now, never what
 the results and the report cover.
@@ -40,6 +43,7 @@ from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.errors import MissingPathError
 from m2jax.eval import mqar, scoring, tasks as tasks_lib
+from m2jax.train import multi
 from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import write_json
 from m2jax.train.config import TrainConfig
@@ -115,6 +119,10 @@ class SweepConfig:
   eval_tasks: tuple[str, ...] = tasks_lib.TASKS
   examples_per_point: int = 16
   eval_batches: int = 8
+  # Train the runs that can share a program (the seeds of an arm, and arms
+  # that differ only in learning rate) as one vmapped program
+  # (m2jax.train.multi): the same results, several models per device.
+  parallel: bool = False
   # MQAR (m2jax.eval.mqar): this fraction of the synthetic training
   # documents, `mqar_pairs` pairs all queried, gaps drawn from
   # 0..max(mqar_gaps); each run is scored at every gap of `mqar_gaps` on
@@ -224,13 +232,9 @@ def _data_config(sweep_dir: str, cfg: SweepConfig, seed: int) -> DataConfig:
                     batch_size=cfg.batch_size, seed=seed)
 
 
-def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
-            sweep_dir: str, *, progress: bool = True) -> dict:
-  """Train and score one (variant, seed); reuse its result if finished."""
-  finished = _finished_run(sweep_dir, variant.name, seed)
-  if finished is not None:
-    return finished
-  run_dir = _run_dir(sweep_dir, variant.name, seed)
+def _run_configs(base: ModelConfig, variant: Variant, seed: int,
+                 cfg: SweepConfig, sweep_dir: str) -> multi.Run:
+  """The model, train and data configs and workdir of one (variant, seed)."""
   mcfg = base.replace(**variant.model)
   tcfg = TrainConfig(**{"steps": cfg.steps, "seed": seed,
                         "learning_rate": cfg.learning_rate,
@@ -243,8 +247,41 @@ def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
                         "mtp_depth": min(1, mcfg.num_mtp_modules),
                         **variant.train})
   dcfg = _data_config(sweep_dir, cfg, seed)
-  summary = pretrain(mcfg, tcfg, dcfg, run_dir, resume=True, progress=progress,
-                     sample_tokens=0)
+  return multi.Run(mcfg, tcfg, dcfg, _run_dir(sweep_dir, variant.name, seed))
+
+
+def run_one(base: ModelConfig, variant: Variant, seed: int, cfg: SweepConfig,
+            sweep_dir: str, *, progress: bool = True) -> dict:
+  """Train and score one (variant, seed); reuse its result if finished."""
+  finished = _finished_run(sweep_dir, variant.name, seed)
+  if finished is not None:
+    return finished
+  run = _run_configs(base, variant, seed, cfg, sweep_dir)
+  summary = pretrain(run.model, run.train, run.data, run.workdir, resume=True,
+                     progress=progress, sample_tokens=0)
+  return _score_run(run, variant, seed, cfg, summary)
+
+
+def run_group(base: ModelConfig, members: list[tuple[Variant, int]],
+              cfg: SweepConfig, sweep_dir: str, *,
+              progress: bool = True) -> list[dict]:
+  """Train the unfinished (variant, seed) pairs `members` as one vmapped
+  program (m2jax.train.multi: they must differ only in seed or learning
+  rate), then score each and write its result.json as run_one does."""
+  members = [(v, s) for v, s in members
+             if _finished_run(sweep_dir, v.name, s) is None]
+  if not members:
+    return []
+  runs = [_run_configs(base, v, s, cfg, sweep_dir) for v, s in members]
+  summaries = multi.pretrain_many(runs, resume=True, progress=progress)
+  return [_score_run(run, v, s, cfg, summary)
+          for run, (v, s), summary in zip(runs, members, summaries)]
+
+
+def _score_run(run: multi.Run, variant: Variant, seed: int, cfg: SweepConfig,
+               summary: dict) -> dict:
+  """Score a trained run and write its result.json (the report's input)."""
+  mcfg, dcfg, run_dir = run.model, run.data, run.workdir
   tokenizer = make_tokenizer(dcfg, os.path.join(run_dir, "tokenizer"))
   variables = state_lib.variables_of(summary["state"])
   scores = scoring.evaluate_tasks(
@@ -308,6 +345,10 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
     return results
 
   write_finished()
+  if cfg.parallel:
+    _run_groups(base, cfg, sweep_dir, planned, progress=progress, log=log,
+                after=write_finished)
+    return write_finished()
   for i, (variant, seed) in enumerate(planned, start=1):
     where = (f"[sweep {cfg.grid}] run {i}/{len(planned)}: {variant.name} "
              f"seed {seed}")
@@ -318,6 +359,28 @@ def run_sweep(base: ModelConfig, cfg: SweepConfig, sweep_dir: str, *,
     run_one(base, variant, seed, cfg, sweep_dir, progress=progress)
     write_finished()
   return write_finished()
+
+
+def _run_groups(base: ModelConfig, cfg: SweepConfig, sweep_dir: str,
+                planned: list[tuple[Variant, int]], *, progress: bool, log,
+                after):
+  """run_sweep's parallel mode: the unfinished runs of `planned` in groups
+  that train as one program each (multi.group_runs), `after()` each group."""
+  todo = []
+  for i, (variant, seed) in enumerate(planned, start=1):
+    if _finished_run(sweep_dir, variant.name, seed) is not None:
+      log(f"[sweep {cfg.grid}] run {i}/{len(planned)}: {variant.name} seed "
+          f"{seed}: skipped (done)")
+    else:
+      todo.append((variant, seed))
+  runs = [_run_configs(base, v, s, cfg, sweep_dir) for v, s in todo]
+  groups = multi.group_runs(runs)
+  for g, group in enumerate(groups, start=1):
+    members = [todo[i] for i in group]
+    log(f"[sweep {cfg.grid}] group {g}/{len(groups)}, one program: "
+        + ", ".join(f"{v.name} seed {s}" for v, s in members))
+    run_group(base, members, cfg, sweep_dir, progress=progress)
+    after()
 
 
 def collect_results(sweep_dir: str, base: ModelConfig,
@@ -380,8 +443,9 @@ def _finished_run(sweep_dir: str, variant: str, seed: int) -> dict | None:
 
 
 # Fields that may differ between invocations on one sweep directory: which
-# arms and seeds to run now. Everything else decides what a finished run means.
-_SELECTION_FIELDS = ("seeds", "variants")
+# arms and seeds to run now, and whether in one program. Everything else
+# decides what a finished run means.
+_SELECTION_FIELDS = ("seeds", "variants", "parallel")
 
 
 def _check_same_sweep(sweep_dir: str, base: ModelConfig, cfg: SweepConfig):

@@ -167,11 +167,16 @@ COMMANDS = {
     "--coordinator_address=host0:1234 --num_processes=2 "
     "--process_id=$RANK": Skip("several hosts with 16 GPUs"),
     "python -m experiments.bench_gmm": Skip(GPU + "times the Hopper kernels"),
-    "python -m experiments.bench_optimizers --preset=m2_small --steps=300 "
-    "--batch=8 --seq_len=1024 --max_seconds=540 "
-    "--out=benchmarks/results/optimizers/m2_small.json": Skip(
-        GPU + "m2_small, four optimizers, two seeds; its CPU run is "
-        "tests/test_bench_optimizers.py"),
+    "python -m experiments.bench_optimizers --preset=m2_small "
+    "--override=num_layers=2 --steps=150 --batch=8 --seq_len=512 "
+    "--train_override=sso_matmul_precision=BF16_BF16_F32_X3 "
+    "--max_seconds=540 --out=benchmarks/results/optimizers/m2_small_l2.json":
+        Skip(GPU + "m2_small, four optimizers, two seeds; its CPU run is "
+             "tests/test_bench_optimizers.py"),
+    "python -m experiments.bench_gnmr "
+    "--out=benchmarks/results/gnmr_stress_cpu.json": Skip(
+        "a benchmark (minutes of CPU training, five scenarios twice); "
+        "tests/test_gnmr.py runs the stress harness at a short length"),
     "python -m experiments.bench_train --preset=m2_small": Skip(
         GPU + "m2_small training throughput"),
     "python -m experiments.bench_prefix_tree": Skip(

@@ -349,3 +349,15 @@ def test_stress_run_recovers_spikes_and_infs(tmp_path):
       "skip", "skip", "skip (non-finite)", "skip (non-finite)"]
   assert abs(stressed["train_loss_last10pct_rel_to_clean"]) <= 0.01
   assert stressed["unit_steps"] == harness.layout.size * steps
+
+
+def test_the_training_scripts_gnmr_flag():
+  """--gnmr: unset is off, 'on' the defaults, FIELD=VALUE overrides, and a
+  field GNMRConfig lacks is a one-line error naming the choices."""
+  from experiments import train_flags
+  assert train_flags.parse_gnmr(None) is None
+  assert train_flags.parse_gnmr(["on"]) == GNMRConfig()
+  got = train_flags.parse_gnmr(["on", "max_recovering=4", "lock_steps=20"])
+  assert (got.max_recovering, got.lock_steps) == (4, 20)
+  with pytest.raises(ConfigError, match="max_recovering"):
+    train_flags.parse_gnmr(["max_recover=4"])

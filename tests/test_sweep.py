@@ -14,6 +14,7 @@ from m2jax import config as config_lib
 from m2jax import report, sweep
 from m2jax.config import ConfigError
 from m2jax.eval import recall
+from m2jax.train import multi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,6 +64,51 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     assert len(r["loss_curve"]) == 4 and r["val_loss"] > 0
     assert set(r["tasks"]) == set(cfg.eval_tasks)
     assert r["routing"]["load_cv"] is not None
+
+  # --parallel: one arm's two seeds as one vmapped program (m2jax.train.multi)
+  # write the result files the sequential runs wrote.
+  # Killed after its third step, then resumed from the checkpoints of step 2.
+  real_step = multi.jit_multi_step
+
+  def killed_at_step_3(*configs):
+    step, calls = real_step(*configs), []
+
+    def run(*args):
+      calls.append(1)
+      if len(calls) == 3:
+        raise KeyboardInterrupt
+      return step(*args)
+    return run
+
+  logged = []
+  d_parallel = str(tmp_path / "parallel")
+  parallel = dataclasses.replace(cfg, parallel=True, variants=("sigmoid_bias",))
+  monkeypatch.setattr(multi, "jit_multi_step", killed_at_step_3)
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run_sweep(BASE, parallel, d_parallel, progress=False,
+                    log=logged.append)
+  monkeypatch.setattr(multi, "jit_multi_step", real_step)
+  together = sweep.run_sweep(BASE, parallel, d_parallel, progress=False,
+                             log=logged.append)["runs"]
+  assert logged == 2 * ["[sweep gating] group 1/1, one program: sigmoid_bias "
+                        "seed 0, sigmoid_bias seed 1"]
+  metrics = [json.loads(l) for l in open(os.path.join(
+      d_parallel, "runs", "sigmoid_bias", "seed1", "metrics.jsonl"))]
+  assert metrics[1]["models_in_program"] == 2
+  assert [(r["variant"], r["seed"]) for r in together] == [
+      ("sigmoid_bias", 0), ("sigmoid_bias", 1)]
+  curves = ("loss_curve", "ce_curve", "val_curve", "balance_curve",
+            "val_loss", "val_bpb")
+  for alone, run in zip(results["runs"][:2], together):
+    for key in curves:
+      np.testing.assert_allclose(run[key], alone[key], rtol=1e-4)
+    for key, value in alone["routing"].items():
+      np.testing.assert_allclose(run["routing"][key], value, rtol=1e-3)
+    rest = lambda r: {k: v for k, v in r.items()
+                      if k not in curves and k != "routing"}
+    assert rest(run) == rest(alone)  # tasks, overrides, steps, tokens
+  # The seeds differ in init and data order, not only in name.
+  assert together[0]["loss_curve"] != together[1]["loss_curve"]
 
   # A rerun reuses finished runs (their result files are not rewritten).
   done = os.path.join(d, "runs", "softmax_aux", "seed1", "result.json")
@@ -205,3 +251,4 @@ def test_recall_check_verdict_and_refused_pairs():
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == [
       "error: flag --pairs=0: 0 is not an integer in the range [1, 676]"]
+

@@ -82,6 +82,13 @@ def test_loss_falls_and_outputs_exist(tmp_path):
   # Every 3 steps plus the last, keeping the newest three.
   assert Checkpointer(os.path.join(workdir, "checkpoints"),
                       keep=3).steps() == [36, 39, 40]
+  # Resumed when already finished (killed after its last checkpoint, before
+  # a sweep read its summary): the same validation, not logged twice.
+  again = pretrain(MCFG, tcfg, dcfg, workdir, progress=False, resume=True,
+                   sample_tokens=0)
+  assert again["step"] == 40
+  assert again["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+  assert len([l for l in read_metrics(workdir) if "val_loss" in l]) == 3
 
 
 def _run_cli(workdir, corpus, cache, *extra):

@@ -302,13 +302,10 @@ class AgentRollout:
     return out
 
 
-def evaluate(engine: Engine, env, agent: whitebox.Agent, tasks,
-             max_new_tokens: int) -> float:
-  """Mean reward of greedy episodes of `tasks` (all in the engine at
-  once)."""
-  params = SamplingParams(temperature=0, max_tokens=max_new_tokens,
-                          stop=(chat.END_OF_TURN,),
-                          include_stop_str_in_output=True)
+def run_episodes(engine: Engine, env, agent: whitebox.Agent, tasks,
+                 params: SamplingParams) -> list:
+  """One episode of `agent` per task, every call sampled with `params`,
+  all in the engine at once; the ended whitebox episodes, in task order."""
   episodes = [agent.start(env.messages(t)) for t in tasks]
   live = {engine.add_request(e.prompt, params): e
           for e in episodes if not e.done}
@@ -322,5 +319,16 @@ def evaluate(engine: Engine, env, agent: whitebox.Agent, tasks,
                                           sample.finish_reason))
       if not episode.done:
         live[engine.add_request(episode.prompt, params)] = episode
+  return episodes
+
+
+def evaluate(engine: Engine, env, agent: whitebox.Agent, tasks,
+             max_new_tokens: int) -> float:
+  """Mean reward of greedy episodes of `tasks` (all in the engine at
+  once)."""
+  params = SamplingParams(temperature=0, max_tokens=max_new_tokens,
+                          stop=(chat.END_OF_TURN,),
+                          include_stop_str_in_output=True)
+  episodes = run_episodes(engine, env, agent, tasks, params)
   return float(np.mean([env.verify(t, e.answer or "").reward
                         for t, e in zip(tasks, episodes)]))

@@ -363,6 +363,12 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
         stop.signum, done, os.path.join(checkpointer.directory, str(done)))
 
 
+  if "val_loss" not in summary and int(state.step) == tcfg.steps:
+    # Resumed when already finished (killed after its last checkpoint,
+    # before the caller read its summary): the final validation again, for
+    # the summary only (metrics.jsonl has it).
+    summary.update(evaluate(eval_fn, state, sdcfg, tokenizer,
+                            tcfg.eval_batches, mesh))
   summary["step"] = int(state.step)
   summary["state"] = state
   if int(state.step) == tcfg.steps and sample_tokens:

@@ -48,19 +48,28 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
 
 
 def apply_gradients(state: TrainState, grads, out: model.ModelOutput, *,
-                    model_config: ModelConfig, train_config: TrainConfig):
+                    model_config: ModelConfig, train_config: TrainConfig,
+                    update_scale=None):
   """The optimizer update of `grads` and the expert-bias update from the
   routing load in `out` (only its routing fields are read). Returns the new
-  state and float32 metrics. Shared by the pretraining and RL steps."""
+  state and float32 metrics. Shared by the pretraining and RL steps.
+
+  `update_scale` (a scalar, may be traced) multiplies the optimizer's update
+  and the logged lr: the step of a peak learning rate that many times
+  train_config's, where the update is linear in it (m2jax.train.multi says
+  when; it trains models of several learning rates in one program)."""
   opt = state_lib.optimizer(model_config, train_config)
   updates, opt_state = opt.update(grads, state.opt_state, state.params)
+  if update_scale is not None:
+    updates = jax.tree.map(lambda u: u * update_scale, updates)
   params = optax.apply_updates(state.params, updates)
   bias = model.update_expert_biases(model_config, state.expert_bias, out)
   # A frozen module keeps its routing too.
   bias = {k: state.expert_bias[k] if is_frozen(train_config, k) else v
           for k, v in bias.items()}
+  lr = schedules.learning_rate(train_config)(state.step)
   metrics = {"grad_norm": optax.tree.norm(grads),
-             "lr": schedules.learning_rate(train_config)(state.step)}
+             "lr": lr if update_scale is None else lr * update_scale}
   metrics.update(gnmr.metrics(opt_state))  # {} when GNMR is off
   if out.routing is not None:
     dropped = jnp.sum(out.routing.dropped)
@@ -84,13 +93,15 @@ def gradients(state: TrainState, batch, *, model_config: ModelConfig,
 
 
 def train_step(state: TrainState, batch, *, model_config: ModelConfig,
-               train_config: TrainConfig):
-  """One optimizer step; returns the new state and float32 metrics."""
+               train_config: TrainConfig, update_scale=None):
+  """One optimizer step; returns the new state and float32 metrics.
+  `update_scale`: see apply_gradients."""
   metrics, out, grads = gradients(state, batch, model_config=model_config,
                                   train_config=train_config)
   state, step_metrics = apply_gradients(state, grads, out,
                                         model_config=model_config,
-                                        train_config=train_config)
+                                        train_config=train_config,
+                                        update_scale=update_scale)
   return state, dict(metrics, **step_metrics)
 
 

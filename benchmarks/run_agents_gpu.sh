@@ -1,0 +1,68 @@
+#!/bin/bash
+# Issue 16's GPU targets, one section per device call (each fits 10 minutes):
+#
+#   benchmarks/run_agents_gpu.sh gateway   128 black-box sessions against
+#       experiments.serve --record (m2_small), refusals mid-load, SIGKILL
+#       after half the ends (experiments/bench_gateway.py)
+#   benchmarks/run_agents_gpu.sh merge     records agent trajectories (the
+#       tiny dense model's warm start and 3 black-box RL steps,
+#       experiments/agent_learning.py), then times m2_small's train step on
+#       them merged vs unmerged (experiments/bench_rl.py --sections=merge)
+#   benchmarks/run_agents_gpu.sh mtp       MTP acceptance over 200 RL steps
+#       with co-training (default) and without (--mtp_weight=0), m2_small,
+#       --mtp_draft=1; resumable: call it again until both arms are done
+#       (runs persist on a warm machine). BUDGET seconds per call.
+#
+# Carry .whl (../shared/tools/wheels-for-gpu .whl grain array_record
+# portpicker tensorboardX); results land in $OUT.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache
+nvidia-smi --query-gpu=name --format=csv,noheader
+quiet() { grep -v '^[IW][0-9]\{4\} \|WARNING'; }
+mkdir -p "$OUT"
+T0=$(date +%s)
+case "${1:-gateway}" in
+  gateway)
+    timeout -s KILL 500 python3 -m experiments.bench_gateway \
+      --preset=m2_small --sessions=128 --calls=3 --max_tokens=32 \
+      --max_batch=128 --num_pages=2048 --max_seq_len=256 \
+      --out="$OUT/gateway_h100.json" 2>&1 | quiet | tail -8 ;;
+  merge)
+    timeout -s KILL 300 python3 -m experiments.agent_learning \
+      --workdir=runs/agent_pool --agents=blackbox --seeds=0 \
+      --warm_start_steps=300 --steps=3 --groups_per_step=16 \
+      --out="$OUT/agent_pool_runs.json" 2>&1 | quiet | tail -4
+    timeout -s KILL 250 python3 -m experiments.bench_rl --preset=m2_small \
+      --sections=merge --merge_pool=runs/agent_pool/blackbox-s0/pool.sqlite \
+      --merge_reps=3 --merge_row_len=1024 \
+      --out="$OUT/rl_merge_agents_h100.json" 2>&1 | quiet | tail -5 ;;
+  mtp)
+    STEPS=${STEPS:-200}; BUDGET=${BUDGET:-560}
+    COMMON="--preset=m2_small --env=arithmetic --env_config=levels=1
+      --steps=$STEPS --groups_per_step=${GROUPS:-16} --group_size=8
+      --max_new_tokens=12 --learning_rate=${LR:-2e-4} --mtp_draft=1
+      --eval_every=0 --checkpoint_every=10 --max_batch=128 --num_pages=4096"
+    for arm in co frozen; do
+      dir=runs/mtp_$arm
+      done_steps=$(wc -l < $dir/metrics.jsonl 2>/dev/null || echo 0)
+      if [ "$done_steps" -lt "$STEPS" ]; then
+        left=$(( BUDGET - ($(date +%s) - T0) ))
+        [ $left -lt 60 ] && break
+        if [ $arm = co ]; then
+          extra="--warm_start_steps=60 --warm_start_learning_rate=1e-3"
+        else
+          extra="--init=runs/mtp_co/warm_start --warm_start_steps=0 --mtp_weight=0"
+        fi
+        resume=""
+        ls $dir/checkpoints 2>/dev/null | grep -q . && resume="--resume"
+        echo "== $arm: $done_steps steps done, $left s left $resume"
+        timeout -s KILL $left python3 -m experiments.rl $COMMON $extra $resume \
+          --workdir=$dir 2>&1 | quiet | tail -3
+      fi
+      cp $dir/metrics.jsonl "$OUT/mtp_${arm}_metrics.jsonl" 2>/dev/null
+    done ;;
+  *) echo "usage: $0 gateway|merge|mtp"; exit 2 ;;
+esac
