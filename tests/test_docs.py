@@ -192,6 +192,9 @@ COMMANDS = {
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
     "prefix_model|prefix_agent128": Skip(
         GPU + "runs the benchmarks on a device machine"),
+    "benchmarks/run_sweep_vmap_gpu.sh step|sweep": Skip(
+        GPU + "times N models in one vmapped program; tests/test_multi.py "
+        "and the sweep test's --parallel arm run it on CPU"),
     "make rl-demo": Skip("eight minutes of RL on 2 cores: tests/test_rl_loop.py "
                          "runs the loop at tiny shapes"),
     "python -m experiments.rl --preset=tiny --env=sorting --algo=dapo "
