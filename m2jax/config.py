@@ -27,6 +27,7 @@ FULL = "full"
 SLIDING = "sliding"
 ATTENTION_KINDS = (FULL, SLIDING)
 GATINGS = ("sigmoid", "softmax")
+BIAS_UPDATES = ("sign", "proportional")
 FFN_TYPES = ("moe", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,8 +89,11 @@ class ModelConfig:
   gating: str = "sigmoid"
   use_routing_bias: bool = True
   routed_scaling_factor: float = 1.0
-  # Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean - load).
+  # Aux-loss-free balancing (DeepSeek-V3): after each step the bias moves
+  # by bias_update_rate * sign(mean - load) ("sign") or * (mean - load) /
+  # mean ("proportional"; m2jax.model.moe.update_expert_bias).
   bias_update_rate: float = 1e-3
+  bias_update: str = "sign"
   # Sequence-wise load-balancing loss coefficient (0 = off; hub:
   # router_aux_loss_coef), on top of the bias (m2jax.train.losses).
   aux_loss_coef: float = M2_ROUTER_AUX_LOSS_COEF
@@ -159,6 +163,8 @@ class ModelConfig:
       _fail("gating", f"must be one of {GATINGS}", self.gating)
     if self.bias_update_rate < 0:
       _fail("bias_update_rate", "must be >= 0", self.bias_update_rate)
+    if self.bias_update not in BIAS_UPDATES:
+      _fail("bias_update", f"must be one of {BIAS_UPDATES}", self.bias_update)
     if self.aux_loss_coef < 0:
       _fail("aux_loss_coef", "must be >= 0", self.aux_loss_coef)
     if self.routed_scaling_factor <= 0:

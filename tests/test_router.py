@@ -288,3 +288,40 @@ def test_train_step_moves_every_mtp_bias_by_its_own_load():
   for k, want in enumerate(mtp_signs):
     np.testing.assert_array_equal(want[2 * k:2 * k + 2], -1)
     assert not any(np.array_equal(want, m) for m in main_signs)
+
+
+# ---------------------------------------------------------------------------
+# The bias update rules
+
+def test_proportional_rule_moves_each_expert_by_its_relative_load_error():
+  # mean load 6: relative errors (6 - load) / 6 = (-4, 4, 0, 0) / 6.
+  load = jnp.array([[10.0, 2.0, 6.0, 6.0], [0.0, 0.0, 0.0, 24.0]])
+  new = moe.update_expert_bias(jnp.ones((2, 4)), load, 0.03, "proportional")
+  np.testing.assert_allclose(
+      new, 1 + 0.03 * np.array([[-4 / 6, 4 / 6, 0, 0], [1, 1, 1, -3]]),
+      rtol=1e-6)
+  sign = moe.update_expert_bias(jnp.zeros(4), load[0], 0.03, "sign")
+  np.testing.assert_allclose(sign, [-0.03, 0.03, 0, 0])
+
+
+def test_bias_update_rule_is_validated():
+  with pytest.raises(config_lib.ConfigError, match="bias_update"):
+    CFG.replace(bias_update="signum")
+  with pytest.raises(ValueError, match="signum"):
+    moe.update_expert_bias(jnp.zeros(4), jnp.ones(4), 0.1, "signum")
+
+
+def test_update_expert_biases_follows_the_configs_rule():
+  cfg = CFG.replace(bias_update="proportional")
+  bias = _variables(cfg)[model.EXPERT_BIAS]
+  L, E = cfg.num_layers, cfg.num_experts
+  load = np.ones((L + 1, E))
+  load[:, 0] = 1.0 + E   # mean 2: relative errors (1 - E) / 2, then 1 / 2
+  stats = lambda rows: moe.RoutingStats(jnp.asarray(rows), None, None)
+  out = model.ModelOutput(None, (None,), None, stats(load[:L]),
+                          stats(load[L:]))
+  new = model.update_expert_biases(cfg, bias, out, 0.1)
+  want = 0.1 * np.r_[(1 - E) / 2, np.full(E - 1, 0.5)]
+  for path in [f"layers_{i}/moe/bias" for i in range(L)] + _mtp_paths(cfg, 1):
+    np.testing.assert_allclose(_bias_leaf(new, path) - _bias_leaf(bias, path),
+                               want, rtol=1e-5, err_msg=path)
