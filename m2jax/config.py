@@ -215,8 +215,15 @@ M2_SMALL = ModelConfig(
     num_experts_per_tok=8,
     moe_intermediate_size=512,
     num_mtp_modules=1,
-    # Balanced by the bias alone: the ablations' baseline (SPEC §2).
+    # Balanced by the bias alone: the ablations' baseline (SPEC §2). At
+    # this size and pretraining's lr (3e-3) the router's scores spread by
+    # ~0.2 within 25 steps; DeepSeek-V3's sign step of 1e-3 needs ~100
+    # steps to follow and the load stays collapsed. The proportional rule
+    # at 1e-2 corrects a collapse in a few steps and is quiet at balance
+    # (benchmarks/notes/router.md).
     aux_loss_coef=0.0,
+    bias_update="proportional",
+    bias_update_rate=1e-2,
 )
 
 # CPU-sized: tests and `make demo` (byte-level vocabulary).
