@@ -10,7 +10,7 @@ batches of --data with the jitted pieces of m2jax.train.step (gradients,
 then apply_gradients: the optimizer and the expert-bias update), one arm
 per --arm "NAME FIELD=VALUE ..." of ModelConfig overrides on top of
 --preset and --override. The default arms are the old default (sign rule
-at 1e-3), the sign rule at 1e-2, the proportional rule at 1e-2 (the
+at 1e-3), the sign rule at 1e-2, the proportional rule at 1e-2 (m2_small's
 default now), and softmax gating with the sequence-wise aux loss at 0.01
 and no bias (m2jax.sweep's "gating" baseline).
 
