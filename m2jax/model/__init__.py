@@ -187,6 +187,7 @@ def update_expert_biases(config: ModelConfig, expert_bias, out: ModelOutput,
 
   def update(path, bias):
     i = index.get(_path_name(path))
-    return bias if i is None else update_expert_bias(bias, load[i], rate)
+    return bias if i is None else update_expert_bias(bias, load[i], rate,
+                                                     config.bias_update)
 
   return jax.tree_util.tree_map_with_path(update, expert_bias)

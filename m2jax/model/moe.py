@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels.gmm import gmm, gmm_swiglu
-from m2jax.config import ModelConfig
+from m2jax.config import BIAS_UPDATES, ModelConfig
 from m2jax.settings import Settings
 from m2jax.model import expert_parallel
 from m2jax.model.expert_parallel import EXPERT_AXIS, TENSOR_AXIS
@@ -149,14 +149,28 @@ def summarize_routing(routing: Routing, doc_ids_BxT, num_experts: int,
                       num_docs.astype(jnp.int32))
 
 
-def update_expert_bias(bias, load, rate: float):
-  """Aux-loss-free balancing: bias += rate * sign(mean_load - load).
+def update_expert_bias(bias, load, rate: float, rule: str = "sign"):
+  """Aux-loss-free balancing: move under-loaded experts up, over-loaded down.
 
-  Works on one layer ([E]) or stacked layers ([..., E]); under-loaded experts
-  move up, over-loaded ones down. Pure: returns the new bias.
+    sign          bias += rate * sign(mean_load - load)  (DeepSeek-V3)
+    proportional  bias += rate * (mean_load - load) / mean_load
+
+  Works on one layer ([E]) or stacked layers ([..., E]). Pure: returns the
+  new bias. "proportional" moves each expert by its relative load error:
+  a collapsed router (one expert at K x the mean) is corrected in a few
+  steps, and at balance the step shrinks to the load noise instead of
+  jittering by `rate` (benchmarks/notes/router.md).
   """
+  load = load.astype(jnp.float32)
   mean = jnp.mean(load, axis=-1, keepdims=True)
-  return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+  if rule == "sign":
+    step = jnp.sign(mean - load)
+  elif rule == "proportional":
+    step = (mean - load) / jnp.maximum(mean, 1e-9)
+  else:
+    raise ValueError(f"bias update rule must be one of {BIAS_UPDATES}, "
+                     f"got {rule!r}")
+  return bias + (rate * step).astype(bias.dtype)
 
 
 def dispatch(x_TxD, routing: Routing, num_experts: int):

@@ -1,0 +1,42 @@
+"""experiments/bench_router.py's pure pieces: the CPU gather path of the
+experts' grouped matmul, the violation, and the --arm parser."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import bench_router
+from m2jax import config as config_lib
+from m2jax.errors import UserError
+
+
+def test_gather_gmm_matches_ragged_dot_values_and_gradients():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  lhs = jax.random.normal(k1, (50, 8))
+  rhs = jax.random.normal(k2, (4, 8, 3))
+  sizes = jnp.array([10, 0, 25, 10])   # an empty group; 5 rows past the end
+  loss = lambda fn: lambda l, r: jnp.sum(jnp.sin(fn(l, r, sizes)))
+  np.testing.assert_allclose(bench_router.gather_gmm(lhs, rhs, sizes),
+                             jax.lax.ragged_dot(lhs, rhs, sizes), atol=1e-5)
+  want = jax.grad(loss(jax.lax.ragged_dot), (0, 1))(lhs, rhs)
+  got = jax.grad(loss(bench_router.gather_gmm), (0, 1))(lhs, rhs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_violation_per_router():
+  load = [[8.0, 0, 0, 0, 0, 0, 0, 0], [1.0] * 8, [2.0, 0, 1, 1, 1, 1, 1, 1]]
+  np.testing.assert_allclose(bench_router.violation(load), [7.0, 0.0, 1.0])
+
+
+def test_parse_arm():
+  name, cfg = bench_router.parse_arm(
+      "prop bias_update=proportional bias_update_rate=0.02",
+      config_lib.TINY)
+  assert (name, cfg.bias_update, cfg.bias_update_rate) == (
+      "prop", "proportional", 0.02)
+  with pytest.raises(UserError, match="NAME"):
+    bench_router.parse_arm("bias_update=sign", config_lib.TINY)
+  with pytest.raises(config_lib.ConfigError, match="bias_update"):
+    bench_router.parse_arm("x bias_update=signum", config_lib.TINY)
