@@ -195,6 +195,11 @@ COMMANDS = {
     "benchmarks/run_sweep_vmap_gpu.sh step|sweep": Skip(
         GPU + "times N models in one vmapped program; tests/test_multi.py "
         "and the sweep test's --parallel arm run it on CPU"),
+    "python -m experiments.bench_router --preset=m2_small --steps=2000 "
+    "--batch=8 --seq_len=512 --max_seconds=400 "
+    "--out=benchmarks/results/router/m2_small_h100.json": Skip(
+        GPU + "m2_small's routers over 2,000 steps; tests/test_bench_router.py "
+        "runs it at tiny size"),
     "make rl-demo": Skip("eight minutes of RL on 2 cores: tests/test_rl_loop.py "
                          "runs the loop at tiny shapes"),
     "python -m experiments.rl --preset=tiny --env=sorting --algo=dapo "

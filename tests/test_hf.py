@@ -105,8 +105,11 @@ def test_config_round_trip(name):
   hub = hf.config_to_hf(cfg)
   assert hub["architectures"] == ["MiniMaxM2ForCausalLM"]
   assert hub["model_type"] == "minimax_m2"
+  # Not hub fields (how training runs, not what the model is): overrides.
   back = hf.config_from_hf(json.loads(json.dumps(hub)),
-                           compute_dtype=cfg.compute_dtype)
+                           compute_dtype=cfg.compute_dtype,
+                           bias_update_rate=cfg.bias_update_rate,
+                           bias_update=cfg.bias_update)
   assert back == cfg
 
 
