@@ -14,7 +14,10 @@ import os
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# Added to the flags it inherits (the test session's fast-compile flags,
+# tests/conftest.py), not in place of them.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
