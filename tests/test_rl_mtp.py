@@ -161,6 +161,26 @@ def test_the_mtp_term_trains_the_mtp_module_only():
       assert not np.asarray(g).any(), name
 
 
+def test_mtp_weight_zero_freezes_the_mtp_module():
+  """experiments.rl --mtp_weight=0 (the arm without co-training): the
+  total RL loss has no gradient on the MTP module, so Adam leaves it as it
+  was; at the default weight it has one."""
+  seqs, trees = _rows()
+  variables = model.init(CFG, jax.random.key(0))
+
+  def mtp_grad_max(weight):
+    config = rl_step.RLConfig(mtp_depth=1, mtp_topk=8, mtp_weight=weight)
+    (batch,) = rl_step.make_batches(trees, list(range(len(seqs))), config)
+    loss = lambda p: rl_step.loss_fn(p, variables[model.EXPERT_BIAS], batch,
+                                     model_config=CFG, config=config)[0]
+    grads = jax.jit(jax.grad(loss))(variables["params"])
+    return max(float(np.abs(np.asarray(g)).max())
+               for g in jax.tree.leaves(grads["mtp_0"]))
+
+  assert mtp_grad_max(0.0) == 0.0
+  assert mtp_grad_max(rl_step.MTP_WEIGHT) > 0
+
+
 def test_rollout_acceptance_over_one_step():
   before = {"drafted": 30, "accepted": 20, "accepted_at_1": 9,
             "accepted_at_2": 6, "accepted_at_3": 5}
