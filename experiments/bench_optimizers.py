@@ -46,7 +46,6 @@ of final_loss, final_ce, val_loss, load_violation_*, hidden_rms_*, step_s;
 """
 
 import json
-import os
 import statistics
 import time
 
@@ -54,7 +53,7 @@ from absl import flags, logging
 import jax
 import numpy as np
 
-from benchmarks import timing
+from benchmarks import grid
 from experiments import cli, run_flags
 from m2jax import config as config_lib
 from m2jax.data import DataConfig, check_splits, make_iterator, make_tokenizer
@@ -131,13 +130,9 @@ def _lrs() -> dict[str, float]:
 
 
 def _train_config(optimizer: str, seed: int, lr: float, mcfg) -> TrainConfig:
-  base = TrainConfig(
-      steps=FLAGS.steps, seed=seed, optimizer=optimizer,
-      learning_rate=lr if optimizer == "adamw" else FLAGS.adam_lr,
-      matrix_learning_rate=None if optimizer == "adamw" else lr,
-      warmup_steps=(max(1, FLAGS.steps // 20) if FLAGS.warmup_steps is None
-                    else FLAGS.warmup_steps),
-      mtp_depth=min(1, mcfg.num_mtp_modules))
+  base = grid.train_config(mcfg, steps=FLAGS.steps, seed=seed,
+                           optimizer=optimizer, lr=lr, adam_lr=FLAGS.adam_lr,
+                           warmup_steps=FLAGS.warmup_steps)
   return config_lib.apply_overrides(base, FLAGS.train_override)
 
 
@@ -280,37 +275,16 @@ def main(argv):
             "lrs": {k: lrs[k] for k in FLAGS.optimizers},
             "adam_lr": FLAGS.adam_lr, "train_overrides": FLAGS.train_override,
             "runs": []}
-  if FLAGS.resume and os.path.exists(FLAGS.out):
-    with open(FLAGS.out, encoding="utf-8") as f:
-      old = json.load(f)
-    if any(old.get(k) != result[k] for k in SAME):
-      raise UserError(f"--resume: {FLAGS.out} holds another comparison "
-                      f"({', '.join(f'{k}={old.get(k)}' for k in SAME)})")
+  old = grid.previous(FLAGS.out, result, SAME) if FLAGS.resume else None
+  if old:
     result["runs"] = [r for r in old["runs"] if "error" not in r]
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   done = {(r["optimizer"], r["seed"]) for r in result["runs"]}
-  planned = [(name, int(seed)) for seed in FLAGS.seeds
-             for name in FLAGS.optimizers if (name, int(seed)) not in done]
-  for name, seed in planned:
-    elapsed = time.perf_counter() - start
-    if elapsed > FLAGS.max_seconds:
-      print(f"--max_seconds={FLAGS.max_seconds:g} reached after "
-            f"{elapsed:.0f} s: {name} seed {seed} and later not run")
-      break
-    try:
-      run = one_run(mcfg, dcfg, tokenizer, name, seed, lrs[name])
-    except jax.errors.JaxRuntimeError as e:
-      if not timing.out_of_memory(e):  # anything else is a bug to see
-        raise
-      run = {"optimizer": name, "seed": seed,
-             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    result["runs"].append(run)
-    result["summary"] = summarize(result["runs"])
-    write_json(FLAGS.out, result)
-    print(json.dumps({k: v for k, v in run.items() if k != "curves"}),
-          flush=True)
-  result["summary"] = summarize(result["runs"])
-  write_json(FLAGS.out, result)
+  plan = [{"optimizer": name, "seed": int(seed)} for seed in FLAGS.seeds
+          for name in FLAGS.optimizers if (name, int(seed)) not in done]
+  grid.run_all(plan, lambda r: one_run(mcfg, dcfg, tokenizer, r["optimizer"],
+                                       r["seed"], lrs[r["optimizer"]]),
+               result, out=FLAGS.out, summarize=summarize, start=start,
+               max_seconds=FLAGS.max_seconds)
   _print(result)
 
 

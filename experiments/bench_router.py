@@ -31,8 +31,6 @@ CPU backend densifies over all experts (64x the work at 64 experts): same
 values, and what makes an m2_small-shaped router trainable on a laptop.
 """
 
-import json
-import os
 import time
 
 from absl import flags, logging
@@ -40,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
+from benchmarks import grid
 from experiments import cli, run_flags
 from kernels import gmm_ref
 from m2jax import config as config_lib
@@ -48,8 +46,7 @@ from m2jax.data import DataConfig, check_splits, make_iterator, make_tokenizer
 from m2jax.errors import UserError
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
-from m2jax.train.checkpoint import write_json
-from m2jax.train.config import OPTIMIZERS, TrainConfig
+from m2jax.train.config import OPTIMIZERS
 from m2jax.train.loop import evaluate
 
 FLAGS = flags.FLAGS
@@ -147,14 +144,10 @@ def _bias_std(expert_bias) -> float:
 
 def one_run(name, mcfg, dcfg, tokenizer, seed: int) -> dict:
   """Train one arm from one seed; its row of the JSON."""
-  tcfg = TrainConfig(
-      steps=FLAGS.steps, seed=seed, optimizer=FLAGS.optimizer,
-      learning_rate=(FLAGS.lr if FLAGS.optimizer == "adamw"
-                     else FLAGS.adam_lr),
-      matrix_learning_rate=None if FLAGS.optimizer == "adamw" else FLAGS.lr,
-      warmup_steps=(max(1, FLAGS.steps // 20) if FLAGS.warmup_steps is None
-                    else FLAGS.warmup_steps),
-      mtp_depth=min(1, mcfg.num_mtp_modules))
+  tcfg = grid.train_config(mcfg, steps=FLAGS.steps, seed=seed,
+                           optimizer=FLAGS.optimizer, lr=FLAGS.lr,
+                           adam_lr=FLAGS.adam_lr,
+                           warmup_steps=FLAGS.warmup_steps)
   state = state_lib.create_state(mcfg, tcfg)
   train = _train_step(mcfg, tcfg)
   _, eval_fn = step_lib.jit_steps(mcfg, tcfg)
@@ -244,38 +237,18 @@ def main(argv):
             "steps": FLAGS.steps, "window": FLAGS.window,
             "arms": {name: text for (name, _), text in zip(arms, FLAGS.arm)},
             "runs": []}
-  if FLAGS.resume and os.path.exists(FLAGS.out):
-    with open(FLAGS.out, encoding="utf-8") as f:
-      old = json.load(f)
-    if any(old.get(k) != result[k] for k in SAME):
-      raise UserError(f"--resume: {FLAGS.out} holds another comparison "
-                      f"({', '.join(f'{k}={old.get(k)}' for k in SAME)})")
+  old = grid.previous(FLAGS.out, result, SAME) if FLAGS.resume else None
+  if old:
     result["runs"] = [r for r in old["runs"] if "error" not in r]
     result["arms"] = dict(old.get("arms", {}), **result["arms"])
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   done = {(r["arm"], r["seed"]) for r in result["runs"]}
-  for seed in (int(s) for s in FLAGS.seeds):
-    for name, mcfg in arms:
-      if (name, seed) in done:
-        continue
-      elapsed = time.perf_counter() - start
-      if elapsed > FLAGS.max_seconds:
-        print(f"--max_seconds={FLAGS.max_seconds:g} reached after "
-              f"{elapsed:.0f} s: {name} seed {seed} and later not run")
-        break
-      try:
-        run = one_run(name, mcfg, dcfg, tokenizer, seed)
-      except jax.errors.JaxRuntimeError as e:
-        if not timing.out_of_memory(e):
-          raise
-        run = {"arm": name, "seed": seed, "error": str(e).splitlines()[0]}
-      result["runs"].append(run)
-      result["summary"] = summarize(result["runs"])
-      write_json(FLAGS.out, result)
-      print(json.dumps({k: v for k, v in run.items() if k != "curves"}),
-            flush=True)
-  result["summary"] = summarize(result["runs"])
-  write_json(FLAGS.out, result)
+  configs = dict(arms)
+  plan = [{"arm": name, "seed": seed} for seed in (int(s) for s in FLAGS.seeds)
+          for name, _ in arms if (name, seed) not in done]
+  grid.run_all(plan, lambda r: one_run(r["arm"], configs[r["arm"]], dcfg,
+                                       tokenizer, r["seed"]),
+               result, out=FLAGS.out, summarize=summarize, start=start,
+               max_seconds=FLAGS.max_seconds)
   print(f"\n{result['device']}: {FLAGS.preset} {FLAGS.override} "
         f"B={FLAGS.batch} T={FLAGS.seq_len}, {FLAGS.steps} steps, "
         f"{FLAGS.optimizer}")
