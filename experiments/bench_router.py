@@ -21,7 +21,11 @@ number), the worst main layer, the worst MTP block, and the mean over the
 main layers of the load summed over the last --window steps (the same
 router seen over more tokens: a batch of N tokens has a noise floor of
 roughly 2.4 sqrt(E / (K N)) from sampling alone). At the end: the tail
-means (--last steps) and the validation loss. Runs go seed by seed, the
+means (--last steps), the validation loss, and the final router's loads on
+--eval_batches held-out batches with everything frozen: their summed
+violation (`violation_val`: the balance over a large mixed batch, which is
+what the per-step number of a few-document batch cannot show) and its mean
+per batch. Runs go seed by seed, the
 JSON is rewritten after each, and no run starts after --max_seconds;
 --resume keeps the runs --out already holds.
 
@@ -42,7 +46,8 @@ from benchmarks import grid
 from experiments import cli, run_flags
 from kernels import gmm_ref
 from m2jax import config as config_lib
-from m2jax.data import DataConfig, check_splits, make_iterator, make_tokenizer
+from m2jax.data import (DataConfig, check_splits, make_dataset, make_iterator,
+                        make_tokenizer)
 from m2jax.errors import UserError
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -137,6 +142,38 @@ def _train_step(mcfg, tcfg):
   return jax.jit(step, donate_argnums=0)
 
 
+def held_out_loads(mcfg, tcfg, state, dcfg, tokenizer, batches: int) -> dict:
+  """The final router on held-out text, parameters and biases frozen.
+
+  A training step's batch holds a few documents, so experts that specialise
+  in their content are overloaded on that step even when the router is
+  balanced over the data; the per-step violation mixes that with imbalance.
+  Here the loads of --eval_batches validation batches are summed (what a
+  large, mixed global batch sees) and also read batch by batch.
+  """
+
+  def loads(state, batch):
+    _, out, _ = step_lib.gradients(state, batch, model_config=mcfg,
+                                   train_config=tcfg)
+    return out.routing.load_E  # the gradients are dead code: never computed
+
+  loads = jax.jit(loads)
+  per_batch = []
+  for i, batch in enumerate(make_dataset(dcfg, tokenizer,
+                                         "validation")):
+    if i >= batches:
+      break
+    batch = {k: np.asarray(v) for k, v in batch.items()}
+    per_batch.append(np.asarray(loads(state, batch), np.float64))
+  summed = violation(sum(per_batch))
+  return {"violation_val": float(summed.mean()),
+          "violation_val_worst": float(summed.max()),
+          "violation_val_batch": float(np.mean([violation(l).mean()
+                                                for l in per_batch])),
+          "val_tokens": int(sum(l[0].sum() for l in per_batch)
+                            // mcfg.num_experts_per_tok)}
+
+
 def _bias_std(expert_bias) -> float:
   leaves = [np.asarray(b) for b in jax.tree.leaves(expert_bias)]
   return float(np.mean([b.std() for b in leaves])) if leaves else 0.0
@@ -172,10 +209,13 @@ def one_run(name, mcfg, dcfg, tokenizer, seed: int) -> dict:
   seconds = time.perf_counter() - start
   batches.close()
   val = evaluate(eval_fn, state, dcfg, tokenizer, FLAGS.eval_batches)
+  if curves["violation"]:
+    val.update(held_out_loads(mcfg, tcfg, state, dcfg, tokenizer,
+                              FLAGS.eval_batches))
   tail = lambda k: (float(np.mean(curves[k][-FLAGS.last:])) if curves[k]
                     else float("nan"))
   return {"arm": name, "seed": seed, "final_ce": tail("ce"),
-          "val_loss": val["val_loss"],
+          **{k: v for k, v in val.items() if k != "val_bpb"},
           **{f"{k}_final": tail(k) for k in CURVES[1:]},
           "violation_max_last": (float(np.max(curves["violation"]
                                               [-FLAGS.last:]))
@@ -186,14 +226,17 @@ def one_run(name, mcfg, dcfg, tokenizer, seed: int) -> dict:
 def summarize(runs) -> dict:
   """{arm: mean and std over its seeds of the final values}."""
   keys = ("final_ce", "val_loss", "violation_final", "violation_worst_final",
-          "violation_window_final", "violation_mtp_final")
+          "violation_window_final", "violation_mtp_final", "violation_val",
+          "violation_val_worst")
   out = {}
   for name in dict.fromkeys(r["arm"] for r in runs):
     done = [r for r in runs if r["arm"] == name and "error" not in r]
     if done:
       out[name] = {"seeds": len(done)}
       for k in keys:
-        values = [r[k] for r in done]
+        values = [r[k] for r in done if k in r]
+        if not values:
+          continue
         out[name][k] = float(np.mean(values))
         out[name][k + "_std"] = float(np.std(values))
   return out
@@ -201,13 +244,16 @@ def summarize(runs) -> dict:
 
 def _table(summary) -> str:
   rows = [f"{'arm':>14} {'seeds':>5} {'ce':>7} {'val':>7} {'viol':>6} "
-          f"{'worst':>6} {'window':>6} {'mtp':>6}"]
+          f"{'worst':>6} {'window':>6} {'mtp':>6} {'heldout':>7} "
+          f"{'ho.worst':>8}"]
   for name, s in summary.items():
     rows.append(f"{name:>14} {s['seeds']:>5} {s['final_ce']:>7.4f} "
                 f"{s['val_loss']:>7.4f} {s['violation_final']:>6.3f} "
                 f"{s['violation_worst_final']:>6.3f} "
                 f"{s['violation_window_final']:>6.3f} "
-                f"{s['violation_mtp_final']:>6.3f}")
+                f"{s['violation_mtp_final']:>6.3f} "
+                f"{s.get('violation_val', float('nan')):>7.3f} "
+                f"{s.get('violation_val_worst', float('nan')):>8.3f}")
   return "\n".join(rows)
 
 
