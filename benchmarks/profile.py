@@ -28,6 +28,7 @@ import collections
 import glob
 import os
 import tempfile
+import warnings
 
 import jax
 from jax.profiler import ProfileData
@@ -46,10 +47,12 @@ def _union_ns(intervals) -> int:
 
 
 def _stats(event) -> dict:
-  try:
-    return dict(event.stats)
-  except (TypeError, ValueError):  # a stat the bindings cannot convert
-    return {}
+  with warnings.catch_warnings():  # the bindings' types lack __module__
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+      return dict(event.stats)
+    except (TypeError, ValueError):  # a stat the bindings cannot convert
+      return {}
 
 
 def op_events(path: str) -> dict:

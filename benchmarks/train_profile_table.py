@@ -146,12 +146,15 @@ def scope_category(scope: str) -> str | None:
   names = set(parts[1:])
   if "rope" in names or any(p.endswith("_norm") for p in parts):
     return "norms_rope"  # attn_norm, ffn_norm, q_norm, final_norm, ...
+  # The MoE's functions (m2jax/model/moe.py), wherever they are called.
+  if "experts" in names:
+    return "expert_matmuls"
+  if names & {"router", "routing_stats"}:
+    return "router"
+  if names & {"dispatch", "combine"}:
+    return "dispatch"
   if "moe" in names:
-    if "experts" in names:
-      return "expert_matmuls"
-    if names & {"router", "routing_stats"}:
-      return "router"
-    return "dispatch"  # dispatch, combine, the exchange, casts of tokens
+    return "dispatch"  # the exchange, casts and reshapes of the tokens
   if "mlp" in names:  # the dense FFN of the dense baseline
     return "expert_matmuls"
   if "attn" in names:

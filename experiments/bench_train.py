@@ -143,6 +143,10 @@ def bench(backend: str, dense: bool = False) -> dict:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  if FLAGS.profile_dir:
+    # A persistent cache's key leaves out the ops' names (their scopes): a
+    # step cached before a scope changed would be profiled under the old.
+    jax.config.update("jax_enable_compilation_cache", False)
   counts = params.count_params(config_lib.get_preset(FLAGS.preset))
   result = {"device": jax.devices()[0].device_kind, "preset": FLAGS.preset,
             "overrides": FLAGS.override, "batch_size": FLAGS.batch_size,
