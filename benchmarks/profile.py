@@ -12,6 +12,9 @@ the trace's GPU planes:
            synchronisations), by count: whether a step is launched kernel by
            kernel or as CUDA graphs (XLA's command buffers)
 
+A CPU trace has no device planes: its ops are the host threads' thunk
+events (op_events), concurrent across threads, busy their union.
+
 Names repeated across layers (fusion.12 in a while body runs once per
 iteration) sum over every run. `busy_ns` is the union of the kernel events'
 intervals: the device time in which some kernel ran; `span_ns` the first
@@ -25,6 +28,7 @@ import collections
 import glob
 import os
 import tempfile
+import warnings
 
 import jax
 from jax.profiler import ProfileData
@@ -42,9 +46,61 @@ def _union_ns(intervals) -> int:
   return total
 
 
+def _stats(event) -> dict:
+  with warnings.catch_warnings():  # the bindings' types lack __module__
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+      return dict(event.stats)
+    except (TypeError, ValueError):  # a stat the bindings cannot convert
+      return {}
+
+
+def op_events(path: str) -> dict:
+  """Every HLO op execution in xplane `path`: {platform, ops: [{name,
+  start_ns, duration_ns, tf_op}], busy_ns, span_ns}.
+
+  GPU traces: the devices' "XLA Ops" lines (named by HLO instruction;
+  `tf_op` is the op's JAX name scope where the trace carries it), busy and
+  span from the kernels of the stream lines. CPU traces (no GPU plane):
+  the host's thunk events, those with an `hlo_op` stat; their threads run
+  ops concurrently, so busy is the union of the ops' intervals."""
+  data = ProfileData.from_file(path)
+  gpu_ops, kernels, cpu_ops = [], [], []
+  for plane in data.planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if line.name == "XLA Ops":
+          for event in line.events:
+            stats = _stats(event)
+            gpu_ops.append({"name": str(stats.get("hlo_op") or event.name),
+                            "start_ns": event.start_ns,
+                            "duration_ns": event.duration_ns,
+                            "tf_op": str(stats.get("tf_op") or "")})
+        elif line.name.startswith("Stream"):
+          kernels.extend((e.start_ns, e.start_ns + e.duration_ns)
+                         for e in line.events)
+    elif plane.name == "/host:CPU":
+      for line in plane.lines:
+        for event in line.events:
+          stats = _stats(event)
+          if "hlo_op" in stats:
+            cpu_ops.append({"name": str(stats["hlo_op"]),
+                            "start_ns": event.start_ns,
+                            "duration_ns": event.duration_ns, "tf_op": ""})
+  platform = "gpu" if gpu_ops or kernels else "cpu"
+  ops = gpu_ops if platform == "gpu" else cpu_ops
+  if platform == "cpu":
+    kernels = [(o["start_ns"], o["start_ns"] + o["duration_ns"]) for o in ops]
+  span = (max(e for _, e in kernels) - min(s for s, _ in kernels)
+          if kernels else 0)
+  return {"platform": platform, "ops": ops, "busy_ns": _union_ns(kernels),
+          "span_ns": span}
+
+
 def summarize(path: str, top: int = 25) -> dict:
   """{ops, kernels, modules: [{name, ms, count}] (top `top` by time),
-  busy_ns, span_ns, kernels_launched} of the GPU planes of xplane `path`."""
+  busy_ns, span_ns, kernels_launched} of the GPU planes of xplane `path`
+  (of its CPU ops where it has no GPU plane)."""
   data = ProfileData.from_file(path)
   sums = {kind: collections.defaultdict(lambda: [0, 0])
           for kind in ("ops", "kernels", "modules")}
@@ -76,6 +132,12 @@ def summarize(path: str, top: int = 25) -> dict:
         if kind == "kernels":
           intervals.append((event.start_ns,
                             event.start_ns + event.duration_ns))
+  cpu = not intervals and not any(sums.values())
+  if cpu:  # a CPU trace: its ops are the host's thunk events
+    for e in op_events(path)["ops"]:
+      sums["ops"][e["name"]][0] += e["duration_ns"]
+      sums["ops"][e["name"]][1] += 1
+      intervals.append((e["start_ns"], e["start_ns"] + e["duration_ns"]))
   out = {kind: [{"name": name, "ms": ns / 1e6, "count": count}
                 for name, (ns, count) in sorted(table.items(),
                                                 key=lambda kv: -kv[1][0])
@@ -88,7 +150,7 @@ def summarize(path: str, top: int = 25) -> dict:
   out["busy_ns"] = _union_ns(intervals)
   out["span_ns"] = (max(e for _, e in intervals) - min(s for s, _ in intervals)
                     if intervals else 0)
-  out["kernels_launched"] = len(intervals)
+  out["kernels_launched"] = 0 if cpu else len(intervals)
   return out
 
 

@@ -245,6 +245,19 @@ TINY = ModelConfig(
     compute_dtype="float32",
 )
 
+def dense_counterpart(config: ModelConfig) -> ModelConfig:
+  """The dense model with `config`'s active FFN width: every MoE (the MTP
+  modules' too) becomes a SwiGLU of num_experts_per_tok x
+  moe_intermediate_size (M2 has no shared expert); attention, embeddings
+  and everything else stay. What an MoE step is timed against
+  (experiments.bench_train --dense_baseline)."""
+  if config.ffn_type != "moe":
+    _fail("ffn_type", "the dense counterpart is of an MoE model",
+          config.ffn_type)
+  return config.replace(ffn_type="dense", dense_intermediate_size=(
+      config.num_experts_per_tok * config.moe_intermediate_size))
+
+
 PRESETS: dict[str, ModelConfig] = {
     "minimax_m2": MINIMAX_M2,
     "m2_small": M2_SMALL,

@@ -69,6 +69,7 @@ def rope_frequencies(positions, rotary_dim: int, theta: float):
   return jnp.cos(emb), jnp.sin(emb)
 
 
+@jax.named_scope("rope")  # profiles (benchmarks.train_profile_table)
 def apply_partial_rope(x_BxTxNxH, positions_BxT, rotary_dim: int, theta: float):
   """Rotate-half RoPE on dims [0, rotary_dim) of each head; the rest pass.
 

@@ -57,6 +57,9 @@ class Routing(NamedTuple):
   weights_TxK: jax.Array    # combine weights (un-biased, renormalised)
 
 
+# The named scopes (router, routing_stats, dispatch, combine, experts) name
+# these ops in profiles: benchmarks.train_profile_table sorts time by them.
+@jax.named_scope("router")
 def route(x_TxD, router_DxE, bias_E, *, top_k: int, gating: str,
           scaling: float) -> Routing:
   """Choose experts with the biased scores, weight them with the un-biased."""
@@ -102,6 +105,7 @@ def document_slots(doc_ids_BxT):
   return jnp.take_along_axis(rank, jnp.argsort(order, axis=1), axis=1)
 
 
+@jax.named_scope("routing_stats")
 def summarize_routing(routing: Routing, doc_ids_BxT, num_experts: int,
                       dropped=None) -> RoutingStats:
   """Load per expert, the sequence-wise aux loss and the router entropy.
@@ -173,6 +177,7 @@ def update_expert_bias(bias, load, rate: float, rule: str = "sign"):
   return bias + (rate * step).astype(bias.dtype)
 
 
+@jax.named_scope("dispatch")
 def dispatch(x_TxD, routing: Routing, num_experts: int):
   """Sort (token, choice) pairs by expert.
 
@@ -187,6 +192,7 @@ def dispatch(x_TxD, routing: Routing, num_experts: int):
   return x_sorted, group_sizes, order
 
 
+@jax.named_scope("combine")
 def combine(y_sorted, routing: Routing, order):
   """Undo the sort and sum each token's K expert outputs, weighted, in f32."""
   T, K = routing.experts_TxK.shape
@@ -196,6 +202,7 @@ def combine(y_sorted, routing: Routing, order):
                     routing.weights_TxK)
 
 
+@jax.named_scope("experts")
 def swiglu_experts(x_sorted, group_sizes, w1, w3, w2, *, settings: Settings):
   """Expert e computes w2(silu(w1 x) * w3 x) on its rows of `x_sorted`.
 
