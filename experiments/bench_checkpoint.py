@@ -13,7 +13,10 @@ exit); the cost of an arm is its time over the no-checkpoint arm's, minus
 one, i.e. the fraction of training time checkpointing adds at that
 cadence (issue 17's target: <= 2% asynchronous). The arms alternate over
 --repeats rounds and each reports its median; the checkpoints go to
---workdir (keep=1, removed after each arm).
+--workdir (keep=1, removed after each arm). `save_call_s` is how long
+`save` held the loop, which includes finishing the steps dispatched before
+it (JAX runs ahead of the device; the state must exist to be copied), so
+the arms' total times, not it, give the cost.
 """
 
 import json

@@ -119,7 +119,9 @@ def signal_at(step, metrics):
 held = []
 finalize = ocp.path.atomicity.AtomicRenameTemporaryPath.finalize
 async def held_finalize(path):
-  while held:
+  for _ in range(20):  # bounded: a save that blocks fails below, not hangs
+    if not held:
+      break
     await asyncio.sleep(1)
   await finalize(path)
 ocp.path.atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
