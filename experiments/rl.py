@@ -152,6 +152,9 @@ flags.DEFINE_integer("eval_every", 10, "Steps between greedy evals on "
                      "held-out tasks (0: none).")
 flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks per eval.")
 flags.DEFINE_integer("checkpoint_every", 10, "Steps between checkpoints.")
+flags.DEFINE_bool("async_checkpoint", True, "Write checkpoints in the "
+                  "background while training goes on (false: each save "
+                  "blocks until written).")
 flags.DEFINE_integer("warm_start_seq_len", loop.RLRunConfig.warm_start_seq_len,
                      "Tokens per SFT row (a demonstration must fit one).")
 flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")
@@ -189,7 +192,7 @@ TRAIN_FLAGS = {"learning_rate": "learning_rate",
                "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
                "decay_fraction": "decay_fraction",
                "min_lr_ratio": "min_lr_ratio",
-               "seed": "seed"}
+               "async_checkpoint": "async_checkpoint", "seed": "seed"}
 
 
 def _env_fields() -> tuple:
@@ -222,7 +225,7 @@ def _fresh_configs(mcfg: ModelConfig):
       mcfg, steps=steps * FLAGS.minibatches, seed=FLAGS.seed,
       learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
       decay_fraction=FLAGS.decay_fraction, min_lr_ratio=FLAGS.min_lr_ratio,
-      grad_clip=FLAGS.grad_clip)
+      grad_clip=FLAGS.grad_clip, async_checkpoint=FLAGS.async_checkpoint)
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
                         mtp_depth=mcfg.num_mtp_modules,
                         mtp_loss=FLAGS.mtp_loss, mtp_topk=FLAGS.mtp_topk,
@@ -282,7 +285,8 @@ def _resumed_configs(workdir: str):
   out = {name: resume.resumed_config(
       # A run saved before it had a config of this name used its defaults.
       cls, saved.get(name, {}), train_flags.given(table),
-      may_change=loop.RESUMABLE_RUN_FIELDS if name == "run" else frozenset())
+      may_change={"run": loop.RESUMABLE_RUN_FIELDS,
+                  "train": loop.RESUMABLE_TRAIN_FIELDS}.get(name, frozenset()))
          for name, (cls, table) in RESUMED.items()}
   out["model"] = config_from_dict(ModelConfig, saved["model"])
   out["train"] = out["train"].replace(

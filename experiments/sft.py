@@ -123,7 +123,8 @@ def _configs(init):
       aux_loss_coef=FLAGS.aux_loss, log_every=FLAGS.log_every,
       eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
       checkpoint_every=FLAGS.checkpoint_every,
-      keep_checkpoints=FLAGS.keep_checkpoints)
+      keep_checkpoints=FLAGS.keep_checkpoints,
+      async_checkpoint=FLAGS.async_checkpoint)
   data_config = sft.chat_data_config(
       init.tokenizer, source=FLAGS.data,
       validation_source=FLAGS.validation_data,

@@ -25,13 +25,14 @@ FLAGS = flags.FLAGS
 CADENCE_FLAGS = {"log_every": "log_every", "eval_every": "eval_every",
                  "eval_batches": "eval_batches",
                  "checkpoint_every": "checkpoint_every",
-                 "keep_checkpoints": "keep_checkpoints"}
+                 "keep_checkpoints": "keep_checkpoints",
+                 "async_checkpoint": "async_checkpoint"}
 
 
 def define_cadence(*, eval_every: int, eval_batches: int,
                    flag_values: flags.FlagValues = FLAGS) -> None:
-  """--log_every, --eval_every, --eval_batches, --checkpoint_every and
-  --keep_checkpoints, with the command's own eval defaults. They are
+  """--log_every, --eval_every, --eval_batches, --checkpoint_every,
+  --keep_checkpoints and --async_checkpoint, with the command's own eval defaults. They are
   registered to the calling script, so its --helpshort lists them."""
   caller = inspect.currentframe().f_back.f_globals["__name__"]
   kw = {"flag_values": flag_values,
@@ -45,6 +46,9 @@ def define_cadence(*, eval_every: int, eval_batches: int,
   flags.DEFINE_integer("checkpoint_every", 100,
                        "Steps between checkpoints.", **kw)
   flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.", **kw)
+  flags.DEFINE_bool("async_checkpoint", True,
+                    "Write checkpoints in the background while training "
+                    "goes on (false: each save blocks until written).", **kw)
 
 
 def given(table: Mapping[str, str], *, explicit_only: bool = True,

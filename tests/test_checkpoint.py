@@ -1,12 +1,18 @@
-"""Checkpointer housekeeping (resuming is tests/test_resume.py)."""
+"""Checkpointer housekeeping and asynchronous saves (resuming is
+tests/test_resume.py; killed saves tests/test_interrupts.py)."""
 
+import asyncio
 import os
 import shutil
+import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
-from m2jax.train.checkpoint import Checkpointer
+from m2jax.train.checkpoint import Checkpointer, CheckpointError, abstract
 
 
 def test_opening_removes_the_unfinished_steps_of_a_killed_run(tmp_path):
@@ -24,3 +30,70 @@ def test_opening_removes_the_unfinished_steps_of_a_killed_run(tmp_path):
   assert sorted(os.listdir(directory)) == ["1"]
   assert ck.steps() == [1]
   ck.close()
+
+
+class _HeldFinalize:
+  """Holds orbax's last act of a save (the rename of its temporary
+  directory) until `release()`: the save stays in flight meanwhile, its
+  arrays already copied to host, its files written or being written."""
+
+  def __init__(self, monkeypatch, fail=False):
+    self.released = threading.Event()
+    cls = ocp.path.atomicity.AtomicRenameTemporaryPath
+    finalize = cls.finalize
+
+    async def held(path):
+      await asyncio.to_thread(self.released.wait, 30)
+      if fail:
+        raise OSError("disk full (a test's)")
+      await finalize(path)
+
+    monkeypatch.setattr(cls, "finalize", held)
+
+  def release(self, after=0.0):
+    threading.Timer(after, self.released.set).start()
+
+
+def _in_flight(directory, step) -> bool:
+  return not os.path.isdir(os.path.join(directory, str(step)))
+
+
+def test_async_save_holds_the_state_of_its_step_while_donated_steps_run(
+    tmp_path, monkeypatch):
+  directory = str(tmp_path / "checkpoints")
+  held = _HeldFinalize(monkeypatch)
+  ck = Checkpointer(directory, keep=3, asynchronous=True)
+  # The train step donates its state, as step.jit_steps' does: the buffers
+  # saved are reused (or freed) by the steps that run during the save.
+  train = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s),
+                  donate_argnums=0)
+  state = train({"w": jnp.arange(4096.0), "m": {"v": jnp.ones((8, 16))}})
+  saved = jax.tree.map(np.array, state)  # copies of the values at step 1
+  data = {"next_document": 3}
+  ck.save(1, state, data, {"step": 1})
+  data["next_document"] = 99  # the loop's dict moves on too
+  assert _in_flight(directory, 1)
+  for _ in range(3):
+    state = train(state)
+  assert _in_flight(directory, 1)  # the steps ran while the save was held
+  assert not np.array_equal(np.asarray(state["w"]), saved["w"])
+  # A read waits for the save in flight (released in 0.2 s): without the
+  # wait it would find step 1 unwritten and quarantine it.
+  held.release(after=0.2)
+  step, restored, data_state, meta = ck.restore_latest(abstract(state))
+  assert (step, data_state, meta) == (1, {"next_document": 3}, {"step": 1})
+  jax.tree.map(np.testing.assert_array_equal, restored, saved)
+  assert ck.quarantined() == []
+  ck.close()
+
+
+def test_a_failed_background_save_is_raised_not_forgotten(tmp_path,
+                                                         monkeypatch):
+  directory = str(tmp_path / "checkpoints")
+  held = _HeldFinalize(monkeypatch, fail=True)
+  ck = Checkpointer(directory, keep=3, asynchronous=True)
+  ck.save(1, {"w": np.arange(4.0)}, {}, {})
+  held.release()
+  with pytest.raises(CheckpointError, match="step 1 .* failed to save"):
+    ck.close()
+  assert Checkpointer(directory, keep=3).steps() == []

@@ -3,8 +3,8 @@
 Every run is a separate process: experiments.pretrain signalled from
 outside (Ctrl-C's SIGINT), and a script running the same configs that
 signals itself at a chosen point (SIGTERM, then SIGINT inside the save of
-the stop's checkpoint; SIGKILL after logging a step, before checkpointing
-it). One run goes through all of them and ends with `--resume` and nothing
+the stop's checkpoint; SIGKILL while a checkpoint is being written in the
+background, training already past it). One run goes through all of them and ends with `--resume` and nothing
 else (the configs are read from its directory); it must equal an
 uninterrupted run line for line, with no step logged twice. The processes
 share one persistent compilation cache, so only the first compiles.
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+import orbax.checkpoint as ocp
 import pytest
 
 from m2jax.train import interrupt
@@ -31,7 +32,7 @@ from test_train import ROOT, SMALL, _corpus
 STEPS = 100
 CHECKPOINT_EVERY = 25
 INTERRUPT_AT = 7   # SIGTERM from inside, then SIGINT inside its save
-KILL_AT = 50       # SIGKILL after logging this step, before its checkpoint
+KILL_AT = 50       # SIGKILL while this step's checkpoint is in flight
 
 
 def _env(cache_dir):
@@ -93,12 +94,14 @@ def _resume(workdir, env):
                    "--resume", "--sample_tokens=0"], env, workdir)
 
 
-# The reference run's configs, signalling itself from `should_stop` (which
-# runs after a step is logged, before its checkpoint): "interrupt" sends
-# SIGTERM at step AT and SIGINT inside the save of that step's checkpoint;
-# "kill" sends SIGKILL at step AT.
+# The reference run's configs, signalling itself: "interrupt" sends SIGTERM
+# at step AT (from `should_stop`, which runs after a step is logged, before
+# its checkpoint) and SIGINT inside the save of that step's checkpoint;
+# "kill" sends SIGKILL once the asynchronous save of step AT has returned,
+# its files being written (the rename that completes it held back).
 _SELF_SIGNALLED = """
-import json, os, signal, sys
+import asyncio, json, os, signal, sys
+import orbax.checkpoint as ocp
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
 from m2jax.train import checkpoint, interrupt
@@ -110,15 +113,29 @@ configs = [config_lib.config_from_dict(cls, saved[part]) for cls, part in (
     (config_lib.ModelConfig, "model"), (TrainConfig, "train"),
     (DataConfig, "data"))]
 def signal_at(step, metrics):
-  if step == at:
-    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGTERM)
+  if step == at and mode == "interrupt":
+    os.kill(os.getpid(), signal.SIGTERM)
   return False
+held = []
+finalize = ocp.path.atomicity.AtomicRenameTemporaryPath.finalize
+async def held_finalize(path):
+  for _ in range(20):  # bounded: a save that blocks fails below, not hangs
+    if not held:
+      break
+    await asyncio.sleep(1)
+  await finalize(path)
+ocp.path.atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
 save = checkpoint.Checkpointer.save
-def save_interrupted(self, step, *args):
-  if step == at:
+def save_signalled(self, step, *args):
+  if step == at and mode == "interrupt":
     os.kill(os.getpid(), signal.SIGINT)
+  held.extend([step] if step == at and mode == "kill" else [])
   save(self, step, *args)
-checkpoint.Checkpointer.save = save_interrupted
+  if held:
+    assert self.asynchronous and not os.path.isdir(
+        os.path.join(self.directory, str(step)))
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.Checkpointer.save = save_signalled
 try:
   pretrain(*configs, workdir, resume=os.path.exists(workdir), progress=False,
            sample_tokens=0, should_stop=signal_at)
@@ -206,11 +223,14 @@ def test_signals_checkpoint_the_last_step_and_resume_loses_nothing(tmp_path):
   assert "SIGTERM: stopping after the step in flight" in run.stderr
   assert "SIGINT: already stopping" in run.stderr
   _assert_stopped_at_a_saved_step(run_dir, INTERRUPT_AT)
-  # Resumed from it, then killed after logging KILL_AT but before its
-  # checkpoint: the next resume starts from the one before.
+  # Resumed from it, then killed while the checkpoint of KILL_AT was being
+  # written in the background (orbax's temporary directory is all it left):
+  # the next resume starts from the one before.
   run = self_signalled("kill", KILL_AT)
   assert run.wait() == -signal.SIGKILL, run.stderr[-3000:]
   assert max(l["step"] for l in read_metrics(run_dir)) == KILL_AT
+  assert ocp.path.step.all_temporary_paths(os.path.join(run_dir,
+                                                        "checkpoints"))
   assert _checkpoints(run_dir)[-1:] == [KILL_AT - CHECKPOINT_EVERY]
   run = _resume(run_dir, env)
   assert run.wait() == 0, run.stderr[-3000:]

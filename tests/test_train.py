@@ -169,6 +169,30 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, capsys):
   assert summary["step"] == 12
 
 
+def test_an_error_mid_run_completes_the_checkpoint_in_flight(tmp_path,
+                                                            monkeypatch):
+  """The asynchronous save of step 3 is still being written (its rename
+  held back for 0.5 s) when a bug raises at step 4: pretrain completes it
+  before the error leaves."""
+  from test_checkpoint import _HeldFinalize  # pylint: disable=import-outside-toplevel
+  dcfg, tcfg = _configs(tmp_path)
+  workdir = str(tmp_path / "run")
+  held = _HeldFinalize(monkeypatch)
+
+  def bug_at_4(step, metrics):
+    del metrics
+    if step == 3:  # asked before step 3's checkpoint is saved
+      held.release(after=0.5)
+    if step == 4:
+      raise RuntimeError("a bug at step 4")
+    return False
+
+  with pytest.raises(RuntimeError, match="a bug at step 4"):
+    pretrain(MCFG, tcfg, dcfg, workdir, progress=False, sample_tokens=0,
+             should_stop=bug_at_4)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
+
+
 def test_config_mismatch_is_refused_naming_the_field(tmp_path):
   dcfg, tcfg = _configs(tmp_path)
   workdir = str(tmp_path / "run")

@@ -200,9 +200,12 @@ class RLRunConfig:
     return self.max_in_flight or 2 * self.groups_per_step
 
 
-# The run's fields a resumed run may change (its length and cadences).
+# The run's fields a resumed run may change (its length and cadences), and
+# the train config's (how checkpoints are written; its length follows the
+# run's).
 RESUMABLE_RUN_FIELDS = frozenset({"steps", "max_rollouts", "checkpoint_every",
                                   "eval_every", "eval_tasks"})
+RESUMABLE_TRAIN_FIELDS = frozenset({"async_checkpoint"})
 
 
 def train_config(model_config: ModelConfig, *, steps: int,
@@ -222,13 +225,16 @@ def check_same(saved: dict, configs: dict, where: str) -> None:
   """ConfigError naming the first field where a run's configs differ from
   those its checkpoint saved (RESUMABLE_RUN_FIELDS may change, and with
   the run's length the optimizer schedule's)."""
-  may_change = {"run": RESUMABLE_RUN_FIELDS, "train": ("steps",)}
+  may_change = {"run": RESUMABLE_RUN_FIELDS,
+                "train": RESUMABLE_TRAIN_FIELDS | {"steps"}}
   for name, config in configs.items():
     if name not in saved:
       continue
-    config = dataclasses.replace(config, **{
-        f: saved[name][f] for f in may_change.get(name, ())})
-    ckpt_lib.check_same_config(saved[name], config, where)
+    # Taken as this run's (also where a run saved before a field existed).
+    ckpt_lib.check_same_config(
+        {**saved[name], **{f: getattr(config, f)
+                           for f in may_change.get(name, ())}},
+        config, where)
 
 
 class _Group(NamedTuple):
@@ -351,7 +357,8 @@ class _Run:
                       "agent does its own (leave them off)")
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                      keep=run.keep_checkpoints)
+                                      keep=run.keep_checkpoints,
+                                      asynchronous=tcfg.async_checkpoint)
     pool_path = os.path.join(workdir, POOL_FILE)
     if resume:
       self.ckpt.check_resume()

@@ -4,6 +4,18 @@ Layout: WORKDIR/checkpoints/<step>/{state, data, meta}. Orbax writes each
 step into a temporary directory and renames it when complete, so a crash
 never leaves a half-written step that looks finished.
 
+Saving is asynchronous for the trainers (`asynchronous=True`, from
+TrainConfig.async_checkpoint): `save` returns once the state's arrays are
+copied to host memory (orbax's device-to-host copy, which completes before
+`save` returns), and the files are written in a background thread while
+training goes on. So the next step may donate and overwrite the state's
+device buffers: what is written is the state at the saved step. A pending
+save is waited for, and its failure raised, before the next save, before
+any read (steps, restore, meta) and in `close`, which every trainer calls
+on every way out. A process killed while a save is in flight leaves only
+orbax's temporary directory, removed at the next start: the previous step
+is what a resume finds.
+
 Resuming tells the user's mistakes from damaged files, because only the
 second may move anything:
   1. a step whose meta holds another model or data config than the run's, or
@@ -19,6 +31,7 @@ second may move anything:
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -38,6 +51,10 @@ CORRUPT_DIR = "checkpoints_corrupt"  # beside checkpoints/, in the workdir
 
 class ResumeError(UserError):
   """A run asked to resume has checkpoints, but none that loads."""
+
+
+class CheckpointError(RuntimeError):
+  """A save did not complete (e.g. a write failed in the background)."""
 
 
 def write_json(path: str, obj) -> None:
@@ -83,9 +100,12 @@ def _out_of_memory(e: Exception) -> bool:
 class Checkpointer:
   """Save / restore {state, data-iterator state, meta} every N steps."""
 
-  def __init__(self, directory: str, *, keep: int, read_only: bool = False):
+  def __init__(self, directory: str, *, keep: int, read_only: bool = False,
+               asynchronous: bool = False):
     """`read_only`: for reading a run that may still be training (e.g.
-    evaluating it): its unfinished steps are left alone."""
+    evaluating it): its unfinished steps are left alone. `asynchronous`:
+    `save` returns before the files are written (module docstring); the
+    caller must `close` (or `wait`) before it exits."""
     self.directory = os.path.abspath(directory)
     self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
                                           CORRUPT_DIR)
@@ -106,9 +126,13 @@ class Checkpointer:
                        "data": ocp.JsonCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False))
+            max_to_keep=keep, enable_async_checkpointing=asynchronous))
+    self.asynchronous = asynchronous
+    self._pending: int | None = None  # the step being written, if any
+    self._closed = False
 
   def steps(self) -> list[int]:
+    self.wait()
     return sorted(self._manager.all_steps())
 
   def quarantined(self) -> list[str]:
@@ -118,11 +142,45 @@ class Checkpointer:
     return sorted(os.listdir(self.corrupt_directory))
 
   def save(self, step: int, state, data_state: dict, meta: dict) -> None:
+    """Save `step`. Asynchronous: returns once `state` is copied to host
+    memory (its device buffers may then be donated), the files still being
+    written; the previous save is completed (or its failure raised) first.
+    """
+    self.wait()
+    # The JSON parts are written later too: the caller may change its dicts.
+    data_state, meta = copy.deepcopy(data_state), copy.deepcopy(meta)
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+    self._pending = step
+    if not self.asynchronous:
+      self.wait()
+
+  def wait(self) -> None:
+    """Complete the save in flight, if any; CheckpointError if it failed
+    (a run must not go on believing it has a checkpoint it does not have).
+
+    Orbax raises a failed background write here, or in some failures only
+    logs it and leaves the step unfinished (never renamed from its
+    temporary directory): the step's directory is checked as well.
+    """
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    why = "its files were not completed; orbax's log says why"
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      why = _first_line(e)
+    else:
+      if (jax.process_index() != 0
+          or os.path.isdir(os.path.join(self.directory, str(step)))):
+        return
+    self._manager.reload()  # forget the step orbax still lists
+    raise CheckpointError(
+        f"checkpoint step {step} in {self.directory} failed to save ({why}); "
+        "the previous checkpoints are intact")
 
   def check_resume(self, configs: Mapping[str, Any] | None = None) -> None:
     """Refuse a resume that cannot work, reading JSON only, moving nothing.
@@ -283,7 +341,15 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    self._manager.close()
+    """Complete the save in flight (raising if it failed) and release the
+    manager. Safe to call again (trainers call it on every way out)."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
 
 
 def abstract(tree):

@@ -103,6 +103,9 @@ class TrainConfig:
   eval_batches: int = 8
   checkpoint_every: int = 100
   keep_checkpoints: int = 3
+  # Write checkpoints in the background while training goes on
+  # (m2jax.train.checkpoint); False: each save blocks until written.
+  async_checkpoint: bool = True
 
   def __post_init__(self):
     if self.steps <= 0:
@@ -162,6 +165,9 @@ class TrainConfig:
                  "keep_checkpoints", "eval_batches"):
       if getattr(self, name) <= 0:
         _fail(name, "must be positive", getattr(self, name))
+    if not isinstance(self.async_checkpoint, bool):
+      _fail("async_checkpoint", "must be True or False",
+            self.async_checkpoint)
 
   @property
   def decay_start(self) -> int:

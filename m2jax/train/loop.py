@@ -237,7 +237,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
         f"tokenizer's vocabulary ({tokenizer.vocab_size})")
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       keep=tcfg.keep_checkpoints)
+                                       keep=tcfg.keep_checkpoints,
+                                       asynchronous=tcfg.async_checkpoint)
   if checkpointer.steps() and not resume:
     raise ExistingPathError(
         f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "
@@ -300,7 +301,10 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   # m2jax.train.interrupt): the checkpoint of that step is written first.
   # The writer and the bar close on every way out: an unclosed tensorboardX
   # writer prints a thread traceback at exit under the real error, an
-  # unclosed bar leaves the error on the bar's line.
+  # unclosed bar leaves the error on the bar's line. So does the
+  # checkpointer: a save still being written in the background is
+  # completed (inside StopOnSignal on the ordinary ways out, so that a
+  # signal cannot cut it short).
   done, stopping = start, False
   try:
     with interrupt.StopOnSignal() as stop:
@@ -356,6 +360,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   finally:
     bar.close()
     writer.close()
+    checkpointer.close()  # an error's way out: no-op when already closed
   # A signal after the last check came while the run's end was saved; other
   # processes may not know of it, so only a single process stops for it.
   if stopping or (stop.signum is not None and jax.process_count() == 1):

@@ -210,7 +210,8 @@ class _Member:
           f"ModelConfig.vocab_size: {mcfg.vocab_size} is smaller than the "
           f"tokenizer's vocabulary ({self.tokenizer.vocab_size})")
     self.checkpointer = ckpt_lib.Checkpointer(
-        os.path.join(run.workdir, "checkpoints"), keep=tcfg.keep_checkpoints)
+        os.path.join(run.workdir, "checkpoints"), keep=tcfg.keep_checkpoints,
+        asynchronous=tcfg.async_checkpoint)
     if self.checkpointer.steps() and not resume:
       raise ExistingPathError(
           f"{run.workdir} already holds checkpoints "
@@ -370,6 +371,8 @@ def _train(members, mcfg, tcfg, dcfg, update_scale, progress):
         bar.update(1)
         if stopping:
           break
+      for m in members:  # the saves in flight, before a signal can end us
+        m.checkpointer.wait()
   finally:
     bar.close()
   if stopping or stop.signum is not None:

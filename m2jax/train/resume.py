@@ -31,11 +31,12 @@ from m2jax.errors import MissingPathError
 from m2jax.train import checkpoint as ckpt_lib
 
 # TrainConfig fields a resume may change: how long to train, and how often
-# to log, evaluate and checkpoint. Everything else would make the continued
-# run another run (another optimizer, schedule, seed, losses).
+# (and whether in the background) to log, evaluate and checkpoint.
+# Everything else would make the continued run another run (another
+# optimizer, schedule, seed, losses).
 RESUMABLE_TRAIN_FIELDS = frozenset({
     "steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-    "keep_checkpoints"})
+    "keep_checkpoints", "async_checkpoint"})
 
 CONFIG_FILE = "config.json"
 SAVED_PARTS = ("model", "train", "data")
