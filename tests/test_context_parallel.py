@@ -1,4 +1,4 @@
-"""Context parallelism's per-shard attention on one device.
+"""Context parallelism's per-shard attention and its checks, on one device.
 
 The whole model on rows split over a "sequence" mesh axis of 8 fake devices
 is checked against one device in tests/test_sharding.py (its subprocess);
@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from m2jax import config as config_lib
 from m2jax import sharding
+from m2jax.infer.engine import Engine
 from m2jax.model import attention, context_parallel
 from m2jax.model.layers import positions_from_segments
 
@@ -24,7 +26,7 @@ def _rows():
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, H)), jnp.float32)
              for n in (N, K, K))
   # Documents of 7, 10 and 7 tokens (row 0) and 3, 16, 5 with padding
-  # (row 1): every cut into 2, 3, 4 or 6 parts splits some document.
+  # (row 1): every cut into 3 or 6 parts splits some document.
   seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [7, 10, 7]),
                               np.repeat([1, 2, 0], [3, 16, 5])]), jnp.int32)
   return q, k, v, seg, positions_from_segments(seg)
@@ -36,7 +38,7 @@ def test_shards_at_their_offsets_give_full_attention(window, sinks):
   mask = attention.attention_mask(seg, pos, window=window,
                                   num_sink_tokens=sinks)
   want = attention.dot_product_attention(q, k, v, mask, impl="xla")
-  for n in (2, 3, 6):
+  for n in (3, 6):
     L = T // n
     got = jnp.concatenate([attention.shard_attention(
         q[:, s * L:(s + 1) * L], k, v, seg[:, s * L:(s + 1) * L], seg,
@@ -73,3 +75,12 @@ def test_rows_split_only_over_a_sequence_axis_the_rules_use():
                        match=r"^row length T=30 is not divisible by the mesh "
                        r"axis sequence=4"):
       context_parallel.check_length(30)
+
+
+def test_generation_refuses_a_sequence_axis():
+  # Decoding one token per row cannot split rows: refused in one line
+  # before any weights move.
+  mesh = jax.sharding.AbstractMesh((1, 1, 2, 1, 1), sharding.AXES)
+  with pytest.raises(sharding.MeshError, match=r"^generation does not split "
+                     r"rows: the engine's mesh needs sequence=1 \(data=1,"):
+    Engine(config_lib.TINY, {"params": {}}, mesh=mesh)

@@ -117,7 +117,8 @@ def test_sharded_forward_loss_and_grads_equal_one_device(report, mesh):
   assert r["load"] == 0 and r["dropped"] == 0, r
 
 
-@pytest.mark.parametrize("mesh", ["sequence=8", "data=2,sequence=4"])
+@pytest.mark.parametrize("mesh", ["sequence=8",
+                                  "data=2,sequence=2,expert=2"])
 def test_context_parallel_loss_and_grads_equal_one_device(report, mesh):
   # Packed rows of 2 to 5 documents crossing shard boundaries, a sliding
   # window with a sink and a full-attention MTP block (sharding_check.py).
@@ -126,10 +127,10 @@ def test_context_parallel_loss_and_grads_equal_one_device(report, mesh):
   assert r["load"] == 0, r  # the expert-bias update sees the global load
   assert r["logits_spec"].endswith("'sequence')"), r  # rows stay split
   # Attention ran context-parallel: K, V, segment ids and positions are
-  # gathered along T in each of the 2 layers (main + MTP), and dK, dV come
-  # back as 2 x 2 reduce-scatters. Without an expert axis the MoE adds
-  # none.
-  assert r["all_gathers"] >= 8 and r["reduce_scatters"] == 4, r
+  # gathered along T, and dK, dV come back by reduce-scatter (the program
+  # before partitioning holds only explicit collectives; the expert
+  # exchange makes no reduce-scatter).
+  assert r["all_gathers"] >= 4 and r["reduce_scatters"] >= 2, r
 
 
 def test_context_parallel_refuses_an_indivisible_row(report):
