@@ -119,7 +119,7 @@ def check_meshes(variables, batch, result):
 # cross shards too) joins the loss.
 CP_MCFG = MCFG.replace(attention_pattern=("sliding",), sliding_window=5,
                        num_sink_tokens=1, aux_loss_coef=0.01)
-CP_MESHES = ("sequence=8", "data=2,sequence=2,expert=2")
+CP_MESHES = ("sequence=8", "data=2,sequence=2,tensor=2")
 
 
 def _packed_batch(B=8, T=32):
