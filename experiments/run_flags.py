@@ -46,9 +46,11 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
   d = dict(flag_values=flag_values)
   before = set(flag_values)
   flags.DEFINE_string(
-      "mesh", "", "Device mesh AXIS=SIZE,... over data, fsdp, expert, tensor "
-      "(e.g. data=2,fsdp=2,expert=2,tensor=1; sizes multiply to the number "
-      "of devices of all hosts). Empty: no mesh (one device).", **d)
+      "mesh", "", "Device mesh AXIS=SIZE,... over data, fsdp, sequence, "
+      "expert, tensor (e.g. data=2,fsdp=2,expert=2,tensor=1; sizes multiply "
+      "to the number of devices of all hosts; sequence=N splits every row "
+      "into N parts, for rows longer than one device holds). Empty: no mesh "
+      "(one device).", **d)
   # Settings (m2jax/settings.py): how a step runs, never what it computes.
   flags.DEFINE_enum("attention", "auto", list(settings_lib.ATTENTIONS),
                     "Attention of ordinary rows: cuDNN flash attention, XLA's "

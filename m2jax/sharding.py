@@ -1,9 +1,13 @@
 """Meshes, the logical-axis rules, and where every array of a run lives.
 
-One mesh over four named axes, any of them of size 1:
+One mesh over five named axes, any of them of size 1:
   data    pure data parallelism: batch split, parameters replicated;
   fsdp    batch split and parameters (their "embed" dimension) sharded,
           gathered by XLA where a layer needs them (ZeRO-3 style);
+  sequence  context parallelism for rows longer than one device holds:
+          every activation's length axis split, keys and values gathered
+          for attention (m2jax.model.context_parallel); parameters
+          replicated;
   expert  batch split outside the MoE; inside it each device owns
           E / n_expert experts and tokens travel to them by all-to-all
           (m2jax.model.expert_parallel);
@@ -11,6 +15,7 @@ One mesh over four named axes, any of them of size 1:
           vocabulary split (Megatron style); the batch is not split.
 
   mesh = make_mesh("data=2,fsdp=2,expert=2,tensor=1")   # 8 devices
+  mesh = make_mesh("data=2,sequence=4")                  # 8 devices
   with use_mesh(mesh):            # traced model code sees mesh and rules
     ...
   variables = place(variables, variable_shardings(model_config, mesh))
@@ -22,6 +27,11 @@ are experiments/run_flags.py.
 `LOGICAL_RULES` is the single table from the model's logical axis names
 (m2jax.model.layers) to mesh axes. The expert bias is replicated: every
 device routes its own tokens over all experts.
+
+Batches are split by rows only (`batch_sharding`): under "sequence" every
+device of a row's group holds the row's whole token ids (4 bytes a token
+per field, small beside any activation) and the model's first constraint
+splits the embeddings along the length.
 
 Multi-host runs call `initialize_distributed` first. Each process then reads
 only `process_rows(mesh, batch_size)` of every global batch (the data
@@ -49,16 +59,22 @@ from m2jax.errors import UserError
 
 T = TypeVar("T")
 
-AXES = ("data", "fsdp", "expert", "tensor")
+# Device order: "data" and "fsdp" outermost (they may span hosts), then the
+# axes whose collectives run every layer, "tensor" innermost.
+AXES = ("data", "fsdp", "sequence", "expert", "tensor")
 # Axes the batch (and every token-indexed activation) is split over.
 BATCH_AXES = ("data", "fsdp", "expert")
+# The axis every activation's length dimension is split over.
+SEQUENCE_AXIS = "sequence"
 
 # Logical name -> mesh axes. Names are those of m2jax.model.layers.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # Activations.
     ("act_batch", BATCH_AXES),
-    ("act_tokens", BATCH_AXES),
-    ("act_length", None),
+    # [B * T] flattened: rows over the batch axes, each row's length over
+    # "sequence" (the reshape of [B, T] moves nothing).
+    ("act_tokens", BATCH_AXES + (SEQUENCE_AXIS,)),
+    ("act_length", SEQUENCE_AXIS),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -83,7 +99,8 @@ class MeshError(UserError, ValueError):
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  """"data=2,fsdp=2,expert=2,tensor=1" -> sizes of all four axes (default 1)."""
+  """"data=2,fsdp=2,expert=2,tensor=1" -> sizes of all five axes (default
+  1)."""
   sizes = dict.fromkeys(AXES, 1)
   seen = set()
   for item in filter(None, (s.strip() for s in text.split(","))):
@@ -102,8 +119,9 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> jax.sharding.Mesh:
   """A Mesh over AXES (in that order) of `devices` (default: all).
 
   The product of the sizes must equal the number of devices. Axes are laid
-  out with "tensor" innermost, then "expert", so those stay on the fastest
-  links (one host's NVLink) and "data" / "fsdp" span hosts.
+  out with "tensor" innermost, then "expert", then "sequence", so those
+  stay on the fastest links (one host's NVLink) and "data" / "fsdp" span
+  hosts.
   """
   sizes = parse_mesh(spec) if isinstance(spec, str) else {
       **dict.fromkeys(AXES, 1), **spec}
@@ -119,7 +137,8 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> jax.sharding.Mesh:
 
 
 def format_mesh(sizes) -> str:
-  """"data=2,fsdp=1,expert=4,tensor=1" for a mesh or a dict of sizes."""
+  """"data=2,fsdp=1,sequence=1,expert=4,tensor=1" for a mesh or a dict of
+  sizes."""
   if hasattr(sizes, "shape"):
     sizes = dict(sizes.shape)
   return ",".join(f"{a}={sizes.get(a, 1)}" for a in AXES)
@@ -130,7 +149,8 @@ def batch_shards(mesh) -> int:
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def check_mesh(config: ModelConfig, mesh, batch_size: int | None = None):
+def check_mesh(config: ModelConfig, mesh, batch_size: int | None = None,
+               seq_len: int | None = None):
   """Raise MeshError naming the field that a mesh axis does not divide."""
   s = mesh.shape
   need = [("hidden_size", config.hidden_size, "fsdp"),
@@ -151,6 +171,11 @@ def check_mesh(config: ModelConfig, mesh, batch_size: int | None = None):
     raise MeshError(
         f"batch_size={batch_size} is not divisible by data*fsdp*expert="
         f"{batch_shards(mesh)} ({format_mesh(mesh)})")
+  n_seq = s.get(SEQUENCE_AXIS, 1)
+  if seq_len is not None and seq_len % n_seq:
+    raise MeshError(f"seq_len={seq_len} is not divisible by the mesh axis "
+                    f"{SEQUENCE_AXIS}={n_seq} ({format_mesh(mesh)}): context "
+                    "parallelism splits every row into equal parts")
 
 
 @contextlib.contextmanager
@@ -235,7 +260,8 @@ def process_rows(mesh, batch_size: int) -> np.ndarray:
   process's devices hold under `batch_sharding(mesh)`, ascending.
 
   All rows with one process. Processes split over data / fsdp / expert hold
-  disjoint rows; ones that differ only along `tensor` hold the same rows.
+  disjoint rows; ones that differ only along `tensor` or `sequence` hold the
+  same rows.
   """
   if batch_size % batch_shards(mesh):
     raise MeshError(f"batch_size={batch_size} is not divisible by data*fsdp*"

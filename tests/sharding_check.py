@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 
 from m2jax import config as config_lib  # pylint: disable=wrong-import-position
 from m2jax import model, sharding  # pylint: disable=wrong-import-position
+from m2jax.model import context_parallel  # pylint: disable=wrong-import-position
 from m2jax.model import expert_parallel  # pylint: disable=wrong-import-position
 from m2jax.model import expert_parallel_ref  # pylint: disable=wrong-import-position
 from m2jax.settings import Settings  # pylint: disable=wrong-import-position
@@ -110,6 +111,72 @@ def check_meshes(variables, batch, result):
                                   .sharding.spec),
         "seconds": round(time.time() - t, 1),
     }
+
+
+# Context parallelism (m2jax.model.context_parallel): the main layer slides
+# a window of 5 with a sink token, the MTP block attends in full, so both
+# masks cross shard boundaries; the sequence-wise balance loss (documents
+# cross shards too) joins the loss.
+CP_MCFG = MCFG.replace(attention_pattern=("sliding",), sliding_window=5,
+                       num_sink_tokens=1, aux_loss_coef=0.01)
+CP_MESHES = ("sequence=8", "data=2,sequence=2,tensor=2")
+
+
+def _packed_batch(B=8, T=32):
+  """Rows of 2 to 5 documents of random lengths (most of them crossing
+  shard boundaries at every split of T), some ending in padding."""
+  rng = np.random.default_rng(1)
+  seg = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T), rng.integers(1, 5), False))
+    seg[b] = 1 + np.searchsorted(cuts, np.arange(T), side="right")
+  seg[::3, -5:] = 0
+  pos = np.asarray(model.layers.positions_from_segments(jnp.asarray(seg)))
+  return {"tokens": rng.integers(0, MCFG.vocab_size, (B, T), dtype=np.int32),
+          "segment_ids": seg, "positions": pos,
+          "num_bytes": np.full((B,), T, np.int32)}
+
+
+def check_context_parallel(variables, result):
+  """Loss, logits, load and gradients of rows split over "sequence" against
+  one device; the lowered program's all-gathers and reduce-scatters show
+  that attention ran context-parallel (the MoE makes none without an
+  expert axis)."""
+  batch = _packed_batch()
+  fn = jax.jit(functools.partial(_loss_and_grads, mcfg=CP_MCFG))
+  ref = fn(variables["params"], variables["expert_bias"], batch)
+  result["context_parallel"] = {}
+  for spec in CP_MESHES:
+    t = time.time()
+    mesh = sharding.make_mesh(spec)
+    placed = sharding.place(variables,
+                            sharding.variable_shardings(CP_MCFG, mesh))
+    fn = jax.jit(functools.partial(_loss_and_grads, mcfg=CP_MCFG))
+    with sharding.use_mesh(mesh):
+      args = (placed["params"], placed["expert_bias"],
+              sharding.shard_batch(batch, mesh))
+      lowered = fn.lower(*args)
+      got = lowered.compile()(*args)
+    text = lowered.as_text()
+    result["context_parallel"][spec] = {
+        "loss": _max_diff(ref[0], got[0]),
+        "logits": _max_diff(ref[1:3], got[1:3]),
+        "load": _max_diff(ref[3], got[3]),
+        "grads": _max_diff(ref[5], got[5]),
+        "logits_spec": str(got[1].sharding.spec),
+        "all_gathers": text.count("stablehlo.all_gather"),
+        "reduce_scatters": text.count("stablehlo.reduce_scatter"),
+        "seconds": round(time.time() - t, 1),
+    }
+  # Rows the axis does not divide: one line before any work.
+  mesh = sharding.make_mesh("sequence=8")
+  try:
+    with sharding.use_mesh(mesh):
+      jax.eval_shape(functools.partial(model.forward, CP_MCFG), variables,
+                     jnp.zeros((8, 12), jnp.int32))
+    result["context_parallel"]["indivisible"] = None
+  except context_parallel.ContextParallelError as e:
+    result["context_parallel"]["indivisible"] = str(e)
 
 
 def _corpus(directory):
@@ -296,6 +363,8 @@ def main():
   t = time.time()
   check_meshes(variables, batch, result)
   result["t_meshes"] = round(time.time() - t, 1)
+  check_context_parallel(variables, result)
+  result["t_context_parallel"] = round(time.time() - t, 1)
   with tempfile.TemporaryDirectory() as tmp:
     check_pretrain(tmp, result)
     result["t_train"] = round(time.time() - t, 1)

@@ -160,6 +160,13 @@ COMMANDS = {
     "--workdir=runs/m2_small_ep4": Skip(
         GPU + "4 of them; the training loop on meshes runs on 8 fake CPU "
         "devices in tests/test_sharding.py"),
+    "python -m experiments.pretrain --preset=m2_small --mesh=sequence=8 "
+    "--seq_len=8192 --batch_size=24 --context_schedule=m2 "
+    "--context_documents=packages --remat "
+    "--workdir=runs/m2_small_192k": Skip(
+        GPU + "8 of them and 196,608-token rows; loss and gradients on "
+        "sequence=8 against one device run on 8 fake CPU devices in "
+        "tests/test_sharding.py"),
     "export XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_"
     "decomposer=true": Skip(GPU + "an XLA GPU flag"),
     "python -m experiments.pretrain --preset=m2_small --mesh=data=2,expert=8 "

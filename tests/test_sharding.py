@@ -3,7 +3,8 @@
 The multi-device checks run tests/sharding_check.py once, in its own process
 with 8 fake CPU devices (the rest of the suite keeps one device), and assert
 on the differences it reports: sharded forward, loss and gradients against
-one device for three meshes (and the slab exchange); the training loop on
+one device for three meshes (and the slab exchange); the same on rows
+split over "sequence" (context parallelism); the training loop on
 a fourth (data=2,fsdp=2,expert=2: its losses, parameters after two steps,
 expert bias and drops against one device); a checkpoint
 restored onto another mesh; MTP growth's MTP-only phase on a mesh, its run
@@ -33,7 +34,8 @@ TOL = 1e-5
 
 def test_mesh_flag_parsing_and_errors():
   assert sharding.parse_mesh("data=2, expert=4") == {
-      "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+      "data": 2, "fsdp": 1, "sequence": 1, "expert": 4, "tensor": 1}
+  assert sharding.parse_mesh("sequence=8")["sequence"] == 8
   assert sharding.parse_mesh("") == dict.fromkeys(sharding.AXES, 1)
   with pytest.raises(sharding.MeshError, match=r"8 devices .* but 1 devices"):
     sharding.make_mesh("data=2,fsdp=2,expert=2,tensor=1")
@@ -45,12 +47,18 @@ def test_mesh_flag_parsing_and_errors():
 
 
 def test_check_mesh_names_the_field():
-  mesh = jax.sharding.AbstractMesh((1, 1, 3, 1), sharding.AXES)
+  mesh = jax.sharding.AbstractMesh((1, 1, 1, 3, 1), sharding.AXES)
   with pytest.raises(sharding.MeshError, match="num_experts=8 .* expert=3"):
     sharding.check_mesh(config_lib.TINY, mesh)
-  mesh = jax.sharding.AbstractMesh((3, 1, 1, 1), sharding.AXES)
+  mesh = jax.sharding.AbstractMesh((3, 1, 1, 1, 1), sharding.AXES)
   with pytest.raises(sharding.MeshError, match=r"batch_size=8 .*=3"):
     sharding.check_mesh(config_lib.TINY, mesh, batch_size=8)
+  # Context parallelism splits every row into equal parts.
+  mesh = jax.sharding.AbstractMesh((1, 1, 8, 1, 1), sharding.AXES)
+  sharding.check_mesh(config_lib.TINY, mesh, batch_size=8, seq_len=64)
+  with pytest.raises(sharding.MeshError,
+                     match=r"seq_len=60 .* sequence=8 \(data=1,fsdp=1,"):
+    sharding.check_mesh(config_lib.TINY, mesh, batch_size=8, seq_len=60)
 
 
 def test_rules_cover_every_logical_name():
@@ -68,9 +76,10 @@ def test_rules_cover_every_logical_name():
                for a in ((v,) if isinstance(v, str) else v)}
   assert mesh_axes <= set(sharding.AXES)
   # Experts over "expert", their FFN dim over "tensor", tokens over every
-  # axis but "tensor".
+  # axis but "tensor": [B * T] flattened, the row's length part last.
   assert rules["expert"] == "expert" and rules["expert_mlp"] == "tensor"
-  assert set(rules["act_tokens"]) == {"data", "fsdp", "expert"}
+  assert rules["act_tokens"] == ("data", "fsdp", "expert", "sequence")
+  assert rules["act_length"] == "sequence"
 
 
 # Eight fake devices, one subprocess ------------------------------------------
@@ -108,6 +117,30 @@ def test_sharded_forward_loss_and_grads_equal_one_device(report, mesh):
   assert r["load"] == 0 and r["dropped"] == 0, r
 
 
+@pytest.mark.parametrize("mesh", ["sequence=8", "data=2,sequence=2,tensor=2"])
+def test_context_parallel_loss_and_grads_equal_one_device(report, mesh):
+  # Packed rows of 2 to 5 documents crossing shard boundaries, a sliding
+  # window with a sink and a full-attention MTP block, the balance loss on
+  # (sharding_check.py); with tensor=2 each shard also splits its heads.
+  r = report["context_parallel"][mesh]
+  assert r["loss"] <= TOL and r["logits"] <= TOL and r["grads"] <= TOL, r
+  assert r["load"] == 0, r  # the expert-bias update sees the global load
+  assert r["logits_spec"] in ("P(None, 'sequence')",  # rows stay split
+                              "P('data', 'sequence', 'tensor')"), r
+  # Attention ran context-parallel: K, V, segment ids and positions are
+  # gathered along T, and dK, dV come back by reduce-scatter (the program
+  # before partitioning holds only the collectives written out; without
+  # an expert axis the MoE's are all-reduces over "tensor").
+  assert r["all_gathers"] >= 4 and r["reduce_scatters"] >= 2, r
+
+
+def test_context_parallel_refuses_an_indivisible_row(report):
+  assert report["context_parallel"]["indivisible"] == (
+      "row length T=12 is not divisible by the mesh axis sequence=8: context "
+      "parallelism splits every row into 8 equal parts (choose seq_len a "
+      "multiple of 8)")
+
+
 def test_sharded_training_loop_matches_one_device(report):
   r = report["train"]
   np.testing.assert_allclose(r["losses"], r["ref_losses"], atol=TOL)
@@ -121,7 +154,7 @@ def test_sharded_training_loop_matches_one_device(report):
 def test_checkpoint_restores_onto_another_mesh(report):
   r = report["checkpoint"]
   assert r["step"] == 2 and r["diff"] == 0
-  assert r["w1_mesh"] == "data=1,fsdp=2,expert=4,tensor=1"
+  assert r["w1_mesh"] == "data=1,fsdp=2,sequence=1,expert=4,tensor=1"
   assert r["w1_spec"] == "P('expert', 'fsdp', 'tensor')"
 
 

@@ -205,6 +205,10 @@ class Engine:
     self.mesh = mesh
     if mesh is not None:
       sharding.check_mesh(cfg, mesh)
+      if mesh.shape.get(sharding.SEQUENCE_AXIS, 1) > 1:
+        raise sharding.MeshError(
+            f"generation does not split rows: the engine's mesh needs "
+            f"{sharding.SEQUENCE_AXIS}=1 ({sharding.format_mesh(mesh)})")
     self.variables = self._weights(variables)
     self.max_seq_len = min(ec.max_seq_len or cfg.max_position_embeddings,
                            cfg.max_position_embeddings)

@@ -19,6 +19,10 @@ layers use the dense mask, the window measured on depths.
 
 Which implementation runs is `config.settings` (m2jax.settings): the
 attention of ordinary rows is `settings.attention` (cuDNN or XLA).
+
+Under a mesh whose "sequence" axis splits rows (context parallelism,
+m2jax/model/context_parallel.py) each device's queries attend to the
+gathered row through `shard_attention`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 from kernels.paged_attention import paged_attention
 from kernels.tree_attention import tree_attention
 from m2jax.config import ModelConfig
-from m2jax.model import paged
+from m2jax.model import context_parallel, paged
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
 
@@ -102,6 +106,20 @@ def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
       q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
 
 
+def shard_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
+                    kv_segment_ids_BxS, q_positions_BxT, kv_positions_BxS,
+                    q_offset, *, window: int | None, num_sink_tokens: int,
+                    impl: str):
+  """One context-parallel shard: T local queries (row tokens q_offset ..
+  q_offset + T - 1) over the S keys of the whole row."""
+  mask = context_parallel.shard_mask(
+      q_segment_ids_BxT, kv_segment_ids_BxS, q_positions_BxT,
+      kv_positions_BxS, q_offset=q_offset, window=window,
+      num_sink_tokens=num_sink_tokens)
+  return dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
+                               impl=impl)
+
+
 def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, config):
   """The paged decode kernel; under a mesh that splits heads over "tensor"
   it runs per device on its heads (a Pallas call is not partitioned by
@@ -164,6 +182,14 @@ class Attention(nn.Module):
     new_cache = None
     if cache is not None:
       out, new_cache = self._cached(q, k, v, positions_BxT, cache)
+    elif context_parallel.sequence_shards() > 1:
+      if subtree_end_BxT is not None:
+        raise context_parallel.ContextParallelError(
+            "the prefix-tree layout does not run with a mesh sequence axis")
+      out = context_parallel.attention(functools.partial(
+          shard_attention, window=self.window,
+          num_sink_tokens=cfg.num_sink_tokens, impl=cfg.settings.attention),
+          q, k, v, segment_ids_BxT, positions_BxT)
     elif subtree_end_BxT is not None and self.window is None:
       out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT,
                            config=cfg.settings.tree_attention)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from m2jax.config import ModelConfig
+from m2jax.model import context_parallel
 from m2jax.model import mtp as mtp_lib
 from m2jax.model import paged
 from m2jax.model.block import block_class
@@ -105,6 +106,7 @@ class Transformer(nn.Module):
     if tree and mtp_depth and parent_BxT is None:
       raise ValueError("MTP in the tree layout needs parent (the index of "
                        "each token's parent) to follow tree edges")
+    context_parallel.check_length(tokens_BxT.shape[1])
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones_like(tokens_BxT, dtype=jnp.int32)
     if positions_BxT is None:

@@ -251,7 +251,7 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
   stages = _stages(mcfg, tcfg, dcfg)
   if mesh is not None:
     for _, cfg in stages:
-      sharding.check_mesh(mcfg, mesh, cfg.batch_size)
+      sharding.check_mesh(mcfg, mesh, cfg.batch_size, cfg.seq_len)
   if init_state is None:
     state = state_lib.create_state(mcfg, tcfg, init_variables, mesh=mesh)
     start = 0

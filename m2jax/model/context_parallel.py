@@ -1,0 +1,139 @@
+"""Context parallelism: attention over rows split along T (mesh "sequence").
+
+For rows longer than one device holds (the paper's 192K context stage) the
+mesh axis "sequence" splits every activation's length axis into n equal
+parts (m2jax.sharding's logical rules: "act_length", and "act_tokens" for
+the MoE's flattened tokens). Every per-token op (norms, RoPE, MoE, lm_head,
+losses) is left to XLA's SPMD partitioner; only attention, which mixes
+tokens, runs here, inside `jax.shard_map` over "sequence":
+
+  1. each device holds T/n consecutive queries, keys and values of a row
+     (after RoPE and the QK norm) and their segment ids and positions;
+  2. all-gather keys, values, segment ids and positions along T;
+  3. the local queries attend to the whole row, masked with their global
+     token indices: shard s holds queries s*T/n .. (s+1)*T/n - 1.
+
+The backward pass of the all-gather is a reduce-scatter of dK and dV, which
+autodiff derives. Routing statistics stay global: they are computed
+outside the shard_map, on arrays XLA partitions.
+
+Every device computes a [T/n, T] block of logits, so the dense mask and
+the XLA reference materialise [T/n, T] per head (the per-shard attention is
+`m2jax.model.attention.shard_attention`; a flash kernel that takes
+separate query and key segment ids and positions drops that). Causal rows
+give later shards more unmasked work; the dense path computes every block
+whole, so shards are balanced.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from m2jax.errors import UserError
+
+# The mesh axis this module reads (m2jax.sharding builds meshes with it).
+SEQUENCE_AXIS = "sequence"
+
+
+class ContextParallelError(UserError, ValueError):
+  """A row (or row layout) that context parallelism cannot split."""
+
+
+def _mesh_axes(names: tuple, mesh) -> jax.P:
+  """The PartitionSpec the logical rules give `names`, restricted to the
+  axes of `mesh`."""
+  spec = nn.logical_to_mesh_axes(names)
+  out = []
+  for axes in (spec if spec is not None else (None,) * len(names)):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    out.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+  return jax.P(*out)
+
+
+def sequence_shards() -> int:
+  """How many parts the current mesh and rules split a row into (1: none).
+
+  More than 1 only under a mesh whose "sequence" axis is larger than 1 and
+  rules that map "act_length" to it (m2jax.sharding.use_mesh).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or SEQUENCE_AXIS not in mesh.axis_names:
+    return 1
+  axes = _mesh_axes(("act_length",), mesh)[0]
+  if SEQUENCE_AXIS not in ((axes,) if isinstance(axes, str) else axes or ()):
+    return 1
+  return mesh.shape[SEQUENCE_AXIS]
+
+
+def check_length(length: int) -> None:
+  """Raise ContextParallelError unless rows of `length` tokens split evenly
+  over the "sequence" axis (before any constraint asks XLA to split them)."""
+  n = sequence_shards()
+  if length % n:
+    raise ContextParallelError(
+        f"row length T={length} is not divisible by the mesh axis "
+        f"{SEQUENCE_AXIS}={n}: context parallelism splits every row into "
+        f"{n} equal parts (choose seq_len a multiple of {n})")
+
+
+def shard_mask(q_segment_ids_BxT, kv_segment_ids_BxS, q_positions_BxT,
+               kv_positions_BxS, *, q_offset, window: int | None,
+               num_sink_tokens: int = 0):
+  """Boolean [B, T, S] mask: local query i (row token q_offset + i) may read
+  key j (row token j) of the whole row.
+
+  The rule of m2jax.model.attention.attention_mask on global token indices:
+  causal (q_offset + i >= j), same segment, and with a window
+  pos_i - pos_j < window unless pos_j < num_sink_tokens.
+  """
+  T, S = q_segment_ids_BxT.shape[1], kv_segment_ids_BxS.shape[1]
+  q_idx = q_offset + jnp.arange(T)
+  mask = (q_idx[None, :, None] >= jnp.arange(S)[None, None, :])
+  mask = mask & (q_segment_ids_BxT[:, :, None] == kv_segment_ids_BxS[:, None])
+  if window is not None:
+    dist = q_positions_BxT[:, :, None] - kv_positions_BxS[:, None, :]
+    local = dist < window
+    if num_sink_tokens:
+      local = local | (kv_positions_BxS[:, None, :] < num_sink_tokens)
+    mask = mask & local
+  return mask
+
+
+# (q_local, k_full, v_full, q_segment_ids, kv_segment_ids, q_positions,
+#  kv_positions, q_offset) -> out_local [B, T/n, N, H]
+ShardAttention = Callable[..., jax.Array]
+
+
+def attention(attend: ShardAttention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+              segment_ids_BxT, positions_BxT):
+  """Self-attention of rows split over "sequence" (module docstring).
+
+  Arguments are global arrays in the logical layout of
+  m2jax.model.attention (rows over the batch axes, T over "sequence",
+  heads over "tensor"). `attend` computes one shard's output from its
+  queries and the gathered row; q_offset is the row index of its first
+  query (a traced scalar).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  n, T = mesh.shape[SEQUENCE_AXIS], q_BxTxNxH.shape[1]
+  check_length(T)
+  q_spec = _mesh_axes(("act_batch", "act_length", "act_heads", None), mesh)
+  kv_spec = _mesh_axes(("act_batch", "act_length", "act_kv_heads", None),
+                       mesh)
+  t_spec = _mesh_axes(("act_batch", "act_length"), mesh)
+  gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)
+
+  def body(q, k, v, segment_ids, positions):
+    q_offset = jax.lax.axis_index(SEQUENCE_AXIS) * (T // n)
+    return attend(q, gather(k), gather(v), segment_ids, gather(segment_ids),
+                  positions, gather(positions), q_offset)
+
+  return jax.shard_map(
+      body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, t_spec, t_spec),
+      out_specs=q_spec)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
+                        positions_BxT)
