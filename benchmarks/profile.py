@@ -65,7 +65,7 @@ def op_events(path: str) -> dict:
   the host's thunk events, those with an `hlo_op` stat; their threads run
   ops concurrently, so busy is the union of the ops' intervals."""
   data = ProfileData.from_file(path)
-  gpu_ops, kernels, cpu_ops = [], [], []
+  gpu_ops, kernels, cpu_ops, kernel_ops = [], [], [], []
   for plane in data.planes:
     if plane.name.startswith("/device:GPU"):
       for line in plane.lines:
@@ -77,8 +77,15 @@ def op_events(path: str) -> dict:
                             "duration_ns": event.duration_ns,
                             "tf_op": str(stats.get("tf_op") or "")})
         elif line.name.startswith("Stream"):
-          kernels.extend((e.start_ns, e.start_ns + e.duration_ns)
-                         for e in line.events)
+          for e in line.events:
+            kernels.append((e.start_ns, e.start_ns + e.duration_ns))
+            stats = _stats(e)
+            # A step run as CUDA graphs (XLA's command buffers) leaves the
+            # "XLA Ops" line empty; its kernels may still name their op.
+            kernel_ops.append({"name": str(stats.get("hlo_op") or e.name),
+                               "start_ns": e.start_ns,
+                               "duration_ns": e.duration_ns,
+                               "tf_op": str(stats.get("tf_op") or "")})
     elif plane.name == "/host:CPU":
       for line in plane.lines:
         for event in line.events:
@@ -88,6 +95,7 @@ def op_events(path: str) -> dict:
                             "start_ns": event.start_ns,
                             "duration_ns": event.duration_ns, "tf_op": ""})
   platform = "gpu" if gpu_ops or kernels else "cpu"
+  gpu_ops = gpu_ops or kernel_ops
   ops = gpu_ops if platform == "gpu" else cpu_ops
   if platform == "cpu":
     kernels = [(o["start_ns"], o["start_ns"] + o["duration_ns"]) for o in ops]
