@@ -97,8 +97,11 @@ def bench(settings, seq_len: int) -> dict:
                                          mcfg.vocab_size)) for _ in range(2)]
   result = {"seq_len": T, "batch_size": B, "documents": FLAGS.documents}
   try:
-    state = state_lib.init_state(mcfg, tcfg,
-                                 model.init(mcfg, jax.random.key(0)))
+    make_state = lambda: state_lib.init_state(
+        mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
+    # Compiling needs only the state's shapes (no parameters in memory).
+    state = (jax.eval_shape(make_state) if FLAGS.compile_only
+             else make_state())
     train, _ = step_lib.jit_steps(mcfg, tcfg)
     t = time.perf_counter()
     compiled = train.lower(state, batches[0]).compile()
