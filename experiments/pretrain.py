@@ -10,6 +10,8 @@ r"""Pretrain a MiniMax-M2-style model (the main job; `make demo` runs it).
   python -m experiments.pretrain --preset=m2_small --seq_len=8192 \
       --batch_size=4 --context_schedule=0:8192,0.8:32768 \
       --context_documents=packages  # 8K on files, then 32K on whole packages
+  python -m experiments.pretrain --preset=m2_small --seq_len=8192 \
+      --batch_size=8 --context_schedule=m2_small --remat  # ... to 128K rows
 
 All logic is in m2jax.train.loop; this file only turns flags into configs.
 """
@@ -80,7 +82,8 @@ flags.DEFINE_float("mtp_weight_final", 0.1, "MTP weight at the end of decay.")
 flags.DEFINE_float("z_loss", 0.0, "z-loss coefficient.")
 flags.DEFINE_string("context_schedule", "",
                     "Context extension: 'cpu' (256 -> 1024), 'm2' (8K -> 32K "
-                    "-> 192K) or START:SEQ_LEN,..., START the fraction of "
+                    "-> 192K), 'm2_small' (8K -> 32K -> 128K: one H100 with "
+                    "--remat) or START:SEQ_LEN,..., START the fraction of "
                     "--steps where that stage starts (the first 0), e.g. "
                     "0:256,0.75:1024; tokens per batch are kept.")
 flags.DEFINE_float("aux_loss", None, "Aux-loss coefficient (default: model's).")

@@ -53,8 +53,10 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
       "(one device).", **d)
   # Settings (m2jax/settings.py): how a step runs, never what it computes.
   flags.DEFINE_enum("attention", "auto", list(settings_lib.ATTENTIONS),
-                    "Attention of ordinary rows: cuDNN flash attention, XLA's "
-                    "dense reference, or auto (cudnn on GPU).", **d)
+                    "Attention of ordinary rows: tree (mask-free kernels, "
+                    "full layers), blockwise (XLA flash, no [T, T] array), "
+                    "cudnn or xla (dense [T, T] mask), or auto (tree on a "
+                    "GPU; m2jax.model.attention.attention_impl).", **d)
   flags.DEFINE_string(
       "tree_attention", "auto", "Prefix-tree attention kernels: auto, xla, "
       "mosaic, triton, or tiles as mosaic:BK.BK_DQ.BQ_DKV.STAGES "
@@ -78,6 +80,10 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
                        "grouped matmuls).", **d)
   flags.DEFINE_bool("remat", False, "Recompute each block's activations in "
                     "the backward pass (less activation memory).", **d)
+  flags.DEFINE_integer(
+      "loss_chunk", settings_lib.DEFAULT_LOSS_CHUNK, "Positions per row "
+      "for which lm_head and cross-entropy run at once (never [B, T, V] "
+      "float32 logits); 0 = whole rows.", **d)
   flags.DEFINE_bool("ragged_decomposer", True,
                     "With expert parallelism over ragged_all_to_all, add "
                     f"{RAGGED_DECOMPOSER_FLAG} to XLA_FLAGS (6.2x faster "
@@ -148,7 +154,8 @@ def settings_from_flags(
       all_to_all=f.all_to_all,
       capacity_factor=f.moe_capacity_factor,
       exchange_chunks=f.exchange_chunks,
-      remat=f.remat)
+      remat=f.remat,
+      loss_chunk=f.loss_chunk)
 
 
 def extend_xla_flags(mesh_spec: str, all_to_all: str,

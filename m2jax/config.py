@@ -200,7 +200,8 @@ MINIMAX_M2 = ModelConfig()
 
 # M2's ratios (64 experts top-8, GQA 6:1, partial RoPE 0.5, per-layer QK norm)
 # at 1.32B total / 0.26B active (experiments.describe): trains on one 80 GB
-# H100 with AdamW.
+# H100 with AdamW, rows up to 131,072 tokens with remat (the "m2_small"
+# context schedule; experiments/bench_long_rows.py).
 M2_SMALL = ModelConfig(
     vocab_size=32768,
     hidden_size=1024,
@@ -210,7 +211,7 @@ M2_SMALL = ModelConfig(
     head_dim=128,
     rotary_dim=64,
     rope_theta=5e6,
-    max_position_embeddings=32768,
+    max_position_embeddings=131072,
     num_experts=64,
     num_experts_per_tok=8,
     moe_intermediate_size=512,

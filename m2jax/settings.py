@@ -27,6 +27,7 @@ Where each field is read:
   all_to_all, capacity_factor, exchange_chunks
                    m2jax/model/moe.py -> m2jax/model/expert_parallel.py
   remat            m2jax/model/block.py
+  loss_chunk       m2jax/train/step.py -> m2jax/train/losses.py
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ from kernels.paged_attention import PagedAttentionConfig
 from kernels.tree_attention import TreeAttentionConfig
 from m2jax.errors import UserError
 
-# Attention of ordinary (causal / sliding-window) rows: cuDNN's flash
-# attention on a GPU, XLA's dense reference elsewhere ("auto").
-ATTENTIONS = ("auto", "xla", "cudnn")
+# Attention of ordinary (causal / sliding-window) rows; what "auto" picks and
+# what each runs: m2jax.model.attention.attention_impl.
+ATTENTIONS = ("auto", "xla", "cudnn", "tree", "blockwise")
 # Expert-parallel exchanges (m2jax/model/expert_parallel.py).
 ALL_TO_ALLS = ("auto", "ragged", "dense", "slabs")
+# Positions per lm_head / cross-entropy chunk of the train and eval steps:
+# [B, 1024, V] float32 logits at a time (128 MiB a row at V = 32768).
+DEFAULT_LOSS_CHUNK = 1024
 
 
 class SettingsError(UserError, ValueError):
@@ -59,12 +63,17 @@ class Settings:
   """How a step runs (see the module docstring). Defaults pick the fastest
   implementation for the device and never drop a token.
 
-  attention: "auto" | "xla" | "cudnn", for causal and sliding-window rows
-    ("auto": cuDNN on a GPU for bf16/fp16 activations, which is all cuDNN
-    takes, else XLA; m2jax.model.attention.attention_impl).
+  attention: "auto" | "tree" | "blockwise" | "cudnn" | "xla", for causal
+    and sliding-window rows (m2jax.model.attention.attention_impl): "tree"
+    the mask-free tree kernels (tree_attention's backend and tiles; full
+    layers), "blockwise" flash attention in XLA (any layer, any backend),
+    "cudnn" / "xla" a dense [B, T, T] mask into cuDNN or XLA. "auto": tree
+    for full layers on a GPU in bf16/fp16, else the dense mask up to 2048
+    tokens (cuDNN on a GPU in half precision, else XLA), blockwise beyond.
   tree_attention: backend and tiles of the prefix-tree attention kernels
     (kernels.tree_attention.TreeAttentionConfig; backend "auto" | "xla" |
-    "mosaic" | "triton"); used by full-attention layers of tree-layout rows.
+    "mosaic" | "triton"); used by full-attention layers of tree-layout rows,
+    and of packed rows where `attention` resolves to "tree".
   paged_attention: backend and tiles of the decode attention over the paged
     KV cache (kernels.paged_attention.PagedAttentionConfig); generation.
   gmm_backend: the experts' grouped matmul, "auto" | "xla" | "mosaic" |
@@ -89,6 +98,10 @@ class Settings:
     another's grouped matmuls.
   remat: recompute each block's activations in the backward pass (saves
     activation memory).
+  loss_chunk: the train and eval steps compute lm_head and cross-entropy
+    this many positions of every row at a time, never holding [B, T, V]
+    float32 logits (m2jax.train.losses.chunked_cross_entropy); 0 applies
+    the head to the whole row (the model's logits).
   """
   attention: str = "auto"
   tree_attention: TreeAttentionConfig = TreeAttentionConfig()
@@ -100,6 +113,7 @@ class Settings:
   capacity_factor: float = 0.0
   exchange_chunks: int = 1
   remat: bool = False
+  loss_chunk: int = DEFAULT_LOSS_CHUNK
 
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
@@ -143,6 +157,11 @@ class Settings:
             self.exchange_chunks)
     if not isinstance(self.remat, bool):
       _fail("remat", "must be True or False", self.remat)
+    if (not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk,
+                                                           bool)
+        or self.loss_chunk < 0):
+      _fail("loss_chunk", "must be an integer >= 0 (0: whole rows)",
+            self.loss_chunk)
 
   def replace(self, **changes) -> "Settings":
     """A copy with `changes` applied (validated again).

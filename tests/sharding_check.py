@@ -76,7 +76,11 @@ def _loss_and_grads(params, bias, batch, mcfg=MCFG):
   (loss, (_, out)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       params, bias, batch, jnp.zeros((), jnp.int32))
   dropped = out.routing.dropped.sum() + out.mtp_routing.dropped.sum()
-  return loss, out.logits, out.mtp_logits[0], out.routing.load_E, dropped, grads
+  # The train step's loss runs lm_head chunk by chunk (Settings.loss_chunk)
+  # and gets no logits: compare the head's inputs, main and MTP, instead.
+  heads = (out.head_inputs if out.logits is None
+           else (out.logits, out.mtp_logits[0]))
+  return loss, heads[0], heads[1], out.routing.load_E, dropped, grads
 
 
 def _fresh_jit(settings: Settings = Settings()):

@@ -415,11 +415,21 @@ def test_dense_ffn_variant_and_bf16():
 def test_auto_attention_picks_cudnn_only_for_half_precision_on_a_gpu():
   """cuDNN's fused attention refuses float32: "auto" must fall back to the
   XLA reference for a float32 model on a GPU (the tiny preset loaded by
-  sft.load_init there failed before), and to XLA everywhere off a GPU."""
+  sft.load_init there failed before), and to XLA everywhere off a GPU.
+  Full layers in half precision on a GPU run the mask-free tree kernels;
+  long rows never get a dense [T, T] mask; windows never reach "tree"."""
   pick = attention.attention_impl
-  assert pick("auto", jnp.bfloat16, "gpu") == "cudnn"
-  assert pick("auto", jnp.float16, "gpu") == "cudnn"
+  w = dict(window=64)
+  assert pick("auto", jnp.bfloat16, "gpu") == "tree"
+  assert pick("auto", jnp.bfloat16, "gpu", **w) == "cudnn"
+  assert pick("auto", jnp.float16, "gpu", **w) == "cudnn"
   assert pick("auto", jnp.float32, "gpu") == "xla"
   assert pick("auto", jnp.bfloat16, "cpu") == "xla"
+  long = dict(length=attention.DENSE_MAX_LEN + 1)
+  assert pick("auto", jnp.float32, "cpu", **long) == "blockwise"
+  assert pick("auto", jnp.bfloat16, "gpu", **w, **long) == "blockwise"
+  assert pick("auto", jnp.float32, "gpu", **long) == "blockwise"
   assert pick("cudnn", jnp.float32, "gpu") == "cudnn"   # asked for: kept
-  assert pick("xla", jnp.bfloat16, "gpu") == "xla"
+  assert pick("xla", jnp.bfloat16, "gpu", **long) == "xla"
+  assert pick("tree", jnp.bfloat16, "gpu", **w) == "blockwise"
+  assert pick("xla", jnp.float32, "cpu", tree=True) == "tree"

@@ -25,6 +25,7 @@ CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=0)
     ({"all_to_all": "nccl"}, "all_to_all"),
     ({"capacity_factor": -1.0}, "capacity_factor"),
     ({"exchange_chunks": 0}, "exchange_chunks"),
+    ({"loss_chunk": -1}, "loss_chunk"),
     ({"interpret": "yes"}, "interpret"),
     ({"tree_attention": "mosaic"}, "tree_attention"),
     ({"tree_attention": TreeAttentionConfig(interpret=True)},
@@ -118,7 +119,8 @@ def test_flags_build_the_settings():
   run_flags.define(fv)
   fv(["prog", "--moe_capacity_factor=1.5", "--all_to_all=slabs",
       "--exchange_chunks=2", "--gmm_backend=mosaic", "--gmm_tiles=128.64.4",
-      "--tree_attention=mosaic:128.64.64.3", "--attention=xla", "--remat"])
+      "--tree_attention=mosaic:128.64.64.3", "--attention=blockwise", "--remat",
+      "--loss_chunk=256"])
   s = run_flags.settings_from_flags(fv)
   assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
       1.5, "slabs", 2)
@@ -126,7 +128,7 @@ def test_flags_build_the_settings():
       "mosaic", 128, 4)
   assert (s.tree_attention.backend, s.tree_attention.mosaic_stages) == (
       "mosaic", 3)
-  assert s.attention == "xla" and s.remat
+  assert s.attention == "blockwise" and s.remat and s.loss_chunk == 256
   for bad, field in (("--gmm_tiles=1.2", "--gmm_tiles"),
                      ("--tree_attention=cuda:1.2", "--tree_attention"),
                      ("--gmm_backend=cuda", "Settings.gmm_backend")):

@@ -74,7 +74,8 @@ def _check_mtp(config: ModelConfig, variables, mtp_depth: int):
 
 def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
             positions=None, mtp_depth: int = 0, subtree_end=None,
-            parent=None, mtp_detach: bool = False) -> ModelOutput:
+            parent=None, mtp_detach: bool = False,
+            logits: bool = True) -> ModelOutput:
   """Full forward pass: logits, MTP logits, last hidden state, routing.
 
   `subtree_end` [B, T] selects the tree layout (key j visible to queries
@@ -82,12 +83,15 @@ def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
   roots) makes the MTP shift follow tree edges (transformer.py).
   `mtp_detach`: gradients of the MTP logits reach only the MTP modules'
   own weights (the trunk, embedding, final norm and lm_head get none).
+  `logits=False`: no [B, T, V] logits; the output carries the head's inputs
+  and weight instead (ModelOutput.head_inputs, .lm_head), for a loss
+  computed chunk by chunk (m2jax.train.losses.chunked_cross_entropy).
   """
   _check_mtp(config, variables, mtp_depth)
   return _module(config).apply(variables, tokens_BxT, segment_ids, positions,
                                mtp_depth=mtp_depth,
                                subtree_end_BxT=subtree_end, parent_BxT=parent,
-                               mtp_detach=mtp_detach)
+                               mtp_detach=mtp_detach, logits=logits)
 
 
 def decode(config: ModelConfig, variables, tokens_BxT, pages: paged.PagedKV,

@@ -12,17 +12,31 @@ sliding window on positions (i - j < window) with sink tokens (the first
 Tree layout (prefix-tree merged samples, m2jax.rl.prefix_tree): given
 `subtree_end`, "causal" becomes "key j is visible to query i iff
 j <= i < subtree_end[j]" (i is j or one of its descendants) and positions
-are depths. Full-attention layers then run kernels/tree_attention.py with
-the backend and tiles of `settings.tree_attention` (the Mosaic GPU kernels
-on Hopper, the dense-mask reference on a CPU by default); sliding-window
-layers use the dense mask, the window measured on depths.
+are depths. A packed row is the special case of a forest of chains
+(subtree_end[j] = the end of j's document: tree_attention.chain_subtree_end).
 
-Which implementation runs is `config.settings` (m2jax.settings): the
-attention of ordinary rows is `settings.attention` (cuDNN or XLA).
+`packed_attention` is the one entry point of training-time attention (no
+KV cache); `attention_impl` is the one place that decides which
+implementation runs, from `settings.attention`:
+  "tree"       kernels/tree_attention.py with `settings.tree_attention` (the
+               Mosaic kernels on Hopper): no mask array, forward and backward;
+               full-attention layers only.
+  "blockwise"  kernels/blockwise_attention.py: flash attention in XLA, any
+               backend, windows and sinks, query/key offsets; no [T, T] array.
+  "cudnn", "xla"  the dense [B, T, T] mask (attention_mask) into cuDNN's
+               fused attention or XLA's reference: short rows, comparison.
+  "auto"       full layers: "tree" on a GPU in half precision; otherwise
+               the dense mask while T <= DENSE_MAX_LEN (cuDNN on a GPU in
+               half precision, else XLA) and "blockwise" beyond, so a long
+               row never builds [T, T].
+Full layers of tree rows always run "tree" (`settings.tree_attention` picks
+its backend, the dense reference on a CPU by default). A sliding-window
+layer never runs "tree" (the kernels have no window): an explicit "tree"
+gives it "blockwise".
 
 Under a mesh whose "sequence" axis splits rows (context parallelism,
 m2jax/model/context_parallel.py) each device's queries attend to the
-gathered row through `shard_attention`.
+gathered row through `shard_attention`, a rectangular `packed_attention`.
 """
 
 from __future__ import annotations
@@ -33,8 +47,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kernels import blockwise_attention as blockwise_lib
+from kernels.blockwise_attention import blockwise_attention
 from kernels.paged_attention import paged_attention
-from kernels.tree_attention import tree_attention
+from kernels.tree_attention import (TreeAttentionConfig, chain_subtree_end,
+                                    tree_attention)
 from m2jax.config import ModelConfig
 from m2jax.model import context_parallel, paged
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
@@ -86,24 +103,124 @@ def dot_product_attention_xla(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def attention_impl(impl: str, dtype, backend: str) -> str:
-  """The implementation "auto" stands for: cuDNN flash attention on a GPU
-  for half-precision inputs, else the XLA reference (CPU, and float32
-  models such as the tiny preset on a GPU); an explicit choice is kept."""
-  if impl != "auto":
+# The longest row "auto" gives the dense-mask paths (where no mask-free
+# kernel applies): [B, N, T, T] float32 logits of 12 heads are 200 MB a row
+# at 2048; beyond it a row runs "blockwise".
+DENSE_MAX_LEN = 2048
+IMPLS = ("auto", "xla", "cudnn", "tree", "blockwise")
+
+
+def _half(dtype) -> bool:
+  return any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES)
+
+
+def attention_impl(impl: str, dtype, backend: str, *,
+                   window: int | None = None, length: int = 0,
+                   tree: bool = False) -> str:
+  """The implementation that runs for `settings.attention` = `impl` on a
+  layer with `window`, a row of `length` tokens (and a prefix tree when
+  `tree`); see the module docstring. An explicit choice is kept, except
+  that a windowed layer never runs "tree" ("blockwise" instead)."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+  if tree and window is None:
+    return "tree"
+  gpu_half = backend == "gpu" and _half(dtype)
+  if impl == "auto":
+    if window is None and gpu_half:
+      return "tree"
+    if length > DENSE_MAX_LEN:
+      return "blockwise"
+    return "cudnn" if gpu_half else "xla"
+  if impl == "tree" and window is not None:
+    return "blockwise"
+  return impl
+
+
+def _dense_impl(impl: str, dtype, backend: str) -> str:
+  """The dense-mask implementation for `impl`: itself if "xla" or "cudnn",
+  else cuDNN for half precision on a GPU, else XLA."""
+  if impl in ("xla", "cudnn"):
     return impl
-  half = any(jnp.dtype(dtype) == jnp.dtype(d) for d in CUDNN_DTYPES)
-  return "cudnn" if backend == "gpu" and half else "xla"
+  return "cudnn" if backend == "gpu" and _half(dtype) else "xla"
 
 
 def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
-  """Dispatch to cuDNN flash attention or the XLA reference
-  (attention_impl says which "auto" picks)."""
-  impl = attention_impl(impl, q.dtype, jax.default_backend())
+  """Attention under a dense mask: cuDNN flash attention or the XLA
+  reference (`_dense_impl` says which `impl` stands for)."""
+  impl = _dense_impl(impl, q.dtype, jax.default_backend())
   if impl == "xla":
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
       q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
+
+
+def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
+                     positions_BxT, *, window: int | None, impl: str,
+                     num_sink_tokens: int = 0, subtree_end_BxS=None,
+                     kv_segment_ids_BxS=None, kv_positions_BxS=None,
+                     q_offset=0, kv_offset=0,
+                     tree_config: TreeAttentionConfig | None = None):
+  """Causal GQA attention over packed documents (or a prefix tree), RoPE
+  already applied; `attention_impl` picks the implementation.
+
+  Args:
+    q_BxTxNxH, k_BxSxKxH, v_BxSxKxH: queries, keys, values (N % K == 0).
+    segment_ids_BxT, positions_BxT: of the queries; a key is visible only
+      within its segment, and `window` is measured on positions.
+    window, num_sink_tokens: the layer's sliding window (None: full) and
+      sink positions.
+    impl: `settings.attention` ("auto", "tree", "blockwise", "cudnn", "xla").
+    subtree_end_BxS: prefix-tree intervals of the keys (tree rows).
+    kv_segment_ids_BxS, kv_positions_BxS, q_offset, kv_offset: for a caller
+      holding a slice of a longer row (sequence parallelism): the keys'
+      segment ids and positions (default: the queries') and the global index
+      of the first query and of the first key (ints or traced scalars).
+      Causality compares global indices. Such a rectangular call runs
+      "blockwise" unless "xla"/"cudnn" was asked for.
+    tree_config: the tree kernels' backend and tiles (settings.tree_attention).
+  Returns:
+    [B, T, N, H] in q's dtype.
+
+  Example (a sequence shard of a row of length S = n * T, keys gathered):
+    out = packed_attention(q_shard, k_row, v_row, seg_shard, pos_shard,
+                           window=None, impl="auto", kv_segment_ids_BxS=seg,
+                           kv_positions_BxS=pos, q_offset=shard * T)
+  """
+  T, S = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
+  sliced = (kv_segment_ids_BxS is not None or kv_positions_BxS is not None
+            or not (isinstance(q_offset, int) and q_offset == 0)
+            or not (isinstance(kv_offset, int) and kv_offset == 0))
+  impl = attention_impl(impl, q_BxTxNxH.dtype, jax.default_backend(),
+                        window=window, length=max(T, S),
+                        tree=subtree_end_BxS is not None)
+  if impl == "tree" and sliced:
+    impl = "blockwise"
+  if impl == "tree":
+    subtree_end = (chain_subtree_end(segment_ids_BxT)
+                   if subtree_end_BxS is None else subtree_end_BxS)
+    return _tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, subtree_end,
+                           segment_ids_BxT, tree_config)
+  if impl == "blockwise":
+    return blockwise_attention(
+        q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, positions_BxT,
+        kv_segment_ids_BxS=kv_segment_ids_BxS,
+        kv_positions_BxS=kv_positions_BxS, subtree_end_BxS=subtree_end_BxS,
+        window=window, num_sink_tokens=num_sink_tokens, q_offset=q_offset,
+        kv_offset=kv_offset)
+  if sliced:  # the global-index mask of the blockwise kernel, dense
+    mask = blockwise_lib.visible(
+        q_offset + jnp.arange(T), kv_offset + jnp.arange(S), segment_ids_BxT,
+        segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS,
+        positions_BxT,
+        positions_BxT if kv_positions_BxS is None else kv_positions_BxS,
+        subtree_end_BxS, window=window, num_sink_tokens=num_sink_tokens)
+  else:
+    mask = attention_mask(segment_ids_BxT, positions_BxT, window=window,
+                          num_sink_tokens=num_sink_tokens,
+                          subtree_end_BxT=subtree_end_BxS)
+  return dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
+                               impl=impl)
 
 
 def shard_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
@@ -112,12 +229,46 @@ def shard_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
                     impl: str):
   """One context-parallel shard: T local queries (row tokens q_offset ..
   q_offset + T - 1) over the S keys of the whole row."""
-  mask = context_parallel.shard_mask(
-      q_segment_ids_BxT, kv_segment_ids_BxS, q_positions_BxT,
-      kv_positions_BxS, q_offset=q_offset, window=window,
-      num_sink_tokens=num_sink_tokens)
-  return dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
-                               impl=impl)
+  return packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
+                          q_positions_BxT, window=window, impl=impl,
+                          num_sink_tokens=num_sink_tokens,
+                          kv_segment_ids_BxS=kv_segment_ids_BxS,
+                          kv_positions_BxS=kv_positions_BxS,
+                          q_offset=q_offset)
+
+
+def _mesh_spec(mesh, names, shape):
+  """The PartitionSpec of logical axes `names` on `mesh`, keeping only the
+  mesh axes that divide their dimension."""
+  spec = []
+  for dim, axis in zip(shape, nn.logical_to_mesh_axes(names)):
+    axes = () if axis is None else (axis,) if isinstance(axis, str) else axis
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    size = 1
+    for a in axes:
+      size *= mesh.shape[a]
+    spec.append(axes if axes and dim % size == 0 else None)
+  return jax.P(*spec)
+
+
+def _tree_attention(q, k, v, subtree_end, segment_ids, config):
+  """The tree kernels; under a mesh they run per device on its rows and
+  heads (a Pallas call is not partitioned by XLA, so it is placed by
+  shard_map). Rows are never split along their length here."""
+  call = functools.partial(tree_attention, config=config)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return call(q, k, v, subtree_end, segment_ids)
+  q_spec = _mesh_spec(mesh, ("act_batch", None, "act_heads", None), q.shape)
+  kv_spec = _mesh_spec(mesh, ("act_batch", None, "act_kv_heads", None),
+                       k.shape)
+  if q_spec[2] != kv_spec[2]:  # GQA groups must stay on one device
+    q_spec = jax.P(q_spec[0], None, None, None)
+    kv_spec = jax.P(kv_spec[0], None, None, None)
+  row = jax.P(q_spec[0], None)
+  return jax.shard_map(
+      call, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row, row),
+      out_specs=q_spec, check_vma=False)(q, k, v, subtree_end, segment_ids)
 
 
 def _paged_attention(q, k_pages, v_pages, block_tables, kv_lens, config):
@@ -190,15 +341,12 @@ class Attention(nn.Module):
           shard_attention, window=self.window,
           num_sink_tokens=cfg.num_sink_tokens, impl=cfg.settings.attention),
           q, k, v, segment_ids_BxT, positions_BxT)
-    elif subtree_end_BxT is not None and self.window is None:
-      out = tree_attention(q, k, v, subtree_end_BxT, segment_ids_BxT,
-                           config=cfg.settings.tree_attention)
     else:
-      mask = attention_mask(segment_ids_BxT, positions_BxT,
-                            window=self.window,
-                            num_sink_tokens=cfg.num_sink_tokens,
-                            subtree_end_BxT=subtree_end_BxT)
-      out = dot_product_attention(q, k, v, mask, impl=cfg.settings.attention)
+      out = packed_attention(q, k, v, segment_ids_BxT, positions_BxT,
+                             window=self.window, impl=cfg.settings.attention,
+                             num_sink_tokens=cfg.num_sink_tokens,
+                             subtree_end_BxS=subtree_end_BxT,
+                             tree_config=cfg.settings.tree_attention)
     y = jnp.einsum("btnh,nhd->btd", out, wo.astype(cdt))
     return constrain(y, ("act_batch", "act_length", "act_embed")), new_cache
 

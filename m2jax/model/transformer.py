@@ -38,11 +38,18 @@ from m2jax.model.moe import RoutingStats
 
 
 class ModelOutput(NamedTuple):
-  logits: jax.Array                   # [B, T, V] float32
-  mtp_logits: tuple[jax.Array, ...]   # K x [B, T, V]; depth k predicts t+k+1
+  """What the forward pass returns. With `logits=False` the head is not
+  applied: `logits` is None, `mtp_logits` holds K Nones (its length is still
+  the MTP depth that ran), and `head_inputs` with `lm_head` give every
+  logit on demand (logits = head_inputs[k] @ lm_head: depth 0 the main
+  model), for a loss that never holds [B, T, V] (m2jax.train.losses)."""
+  logits: jax.Array | None            # [B, T, V] float32
+  mtp_logits: tuple                   # K x [B, T, V]; depth k predicts t+k+1
   hidden: jax.Array                   # [B, T, D] last hidden, before the norm
   routing: RoutingStats | None        # fields stacked over layers [L, ...]
   mtp_routing: RoutingStats | None    # fields stacked over MTP blocks
+  head_inputs: tuple = ()             # (1 + K) x [B, T, D] final-normed
+  lm_head: jax.Array | None = None    # [D, V] the head's weight
 
 
 def _stack(stats):
@@ -77,19 +84,25 @@ class Transformer(nn.Module):
     x = jnp.take(self.embedding, tokens_BxT, axis=0).astype(cdt)
     return constrain(x, ("act_batch", "act_length", "act_embed"))
 
+  def head_input(self, hidden_BxTxD, detach: bool = False):
+    """The final norm, in the compute dtype: what lm_head multiplies."""
+    cdt = dtype_of(self.config.compute_dtype)
+    return self.final_norm(hidden_BxTxD, detach_scale=detach).astype(cdt)
+
   def head(self, hidden_BxTxD, detach: bool = False):
     """Final norm and lm_head; `detach`: no gradient reaches their weights
     (it still reaches `hidden`)."""
     cdt = dtype_of(self.config.compute_dtype)
-    h = self.final_norm(hidden_BxTxD, detach_scale=detach)
+    h = self.head_input(hidden_BxTxD, detach)
     w = jax.lax.stop_gradient(self.lm_head) if detach else self.lm_head
-    logits = jnp.einsum("btd,dv->btv", h.astype(cdt), w.astype(cdt),
+    logits = jnp.einsum("btd,dv->btv", h, w.astype(cdt),
                         preferred_element_type=jnp.float32)
     return constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
   def __call__(self, tokens_BxT, segment_ids_BxT=None, positions_BxT=None, *,
                mtp_depth: int = 0, subtree_end_BxT=None,
-               parent_BxT=None, mtp_detach: bool = False) -> ModelOutput:
+               parent_BxT=None, mtp_detach: bool = False,
+               logits: bool = True) -> ModelOutput:
     """Forward pass; `mtp_depth` MTP modules run after the main model.
 
     segment_ids: 0 marks padding (excluded from routing statistics); tokens
@@ -107,6 +120,9 @@ class Transformer(nn.Module):
       raise ValueError("MTP in the tree layout needs parent (the index of "
                        "each token's parent) to follow tree edges")
     context_parallel.check_length(tokens_BxT.shape[1])
+    if mtp_detach and not logits:
+      raise ValueError("mtp_detach needs logits=True (the detached head "
+                       "is applied inside the model)")
     if segment_ids_BxT is None:
       segment_ids_BxT = jnp.ones_like(tokens_BxT, dtype=jnp.int32)
     if positions_BxT is None:
@@ -119,10 +135,11 @@ class Transformer(nn.Module):
       x, s, _ = layer(x, segment_ids_BxT, positions_BxT, valid,
                       subtree_end_BxT)
       stats.append(s)
-    logits = self.head(x)
+    head = self.head if logits else self.head_input
+    outs = [head(x)]
 
     sg = jax.lax.stop_gradient if mtp_detach else (lambda a: a)
-    mtp_logits, mtp_stats, h = [], [], sg(x)
+    mtp_stats, h = [], sg(x)
     for k in range(1, mtp_depth + 1):
       if tree:
         inputs = mtp_lib.tree_inputs(k, h, tokens_BxT, positions_BxT, valid,
@@ -133,10 +150,13 @@ class Transformer(nn.Module):
       h, s, _ = self.mtp[k - 1](inputs.hidden, sg(self.embed(inputs.tokens)),
                                 segment_ids_BxT, inputs.positions,
                                 inputs.valid, inputs.subtree_end)
-      mtp_logits.append(self.head(h, detach=mtp_detach))
+      outs.append(head(h, detach=mtp_detach))
       mtp_stats.extend(s)
-    return ModelOutput(logits, tuple(mtp_logits), x, _stack(stats),
-                       _stack(mtp_stats))
+    if logits:
+      return ModelOutput(outs[0], tuple(outs[1:]), x, _stack(stats),
+                         _stack(mtp_stats))
+    return ModelOutput(None, (None,) * mtp_depth, x, _stack(stats),
+                       _stack(mtp_stats), tuple(outs), self.lm_head)
 
   # Generation over the paged KV cache (m2jax/model/paged.py) -------------
 

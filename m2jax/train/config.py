@@ -24,8 +24,12 @@ M2_DECAY_FRACTION = M2_DECAY_TOKENS / (M2_CONSTANT_TOKENS + M2_DECAY_TOKENS)
 
 # Context extension as (fraction of steps where the stage starts, seq_len).
 # M2 grows 8K -> 32K -> 192K in stages (SPEC §2); "cpu" is a CPU-sized copy.
+# "m2_small" stops at the 128K row one H100 trains (with --remat:
+# experiments/bench_long_rows.py); M2's 192K stage needs the row split over
+# devices.
 CONTEXT_SCHEDULES = {
     "m2": ((0.0, 8192), (0.8, 32768), (0.95, 196608)),
+    "m2_small": ((0.0, 8192), (0.8, 32768), (0.95, 131072)),
     "cpu": ((0.0, 256), (0.75, 1024)),
 }
 

@@ -37,13 +37,16 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
     params = {k: jax.lax.stop_gradient(v) if is_frozen(tcfg, k) else v
               for k, v in params.items()}
   variables = state_lib.model_variables(params, expert_bias)
+  chunk = mcfg.settings.loss_chunk
   out = model.forward(mcfg, variables, batch["tokens"],
                       segment_ids=batch["segment_ids"],
-                      positions=batch["positions"], mtp_depth=tcfg.mtp_depth)
+                      positions=batch["positions"], mtp_depth=tcfg.mtp_depth,
+                      logits=not chunk)
   aux = mcfg.aux_loss_coef if tcfg.aux_loss_coef is None else tcfg.aux_loss_coef
   loss, metrics = losses.total_loss(
       out, batch, mtp_weight=schedules.mtp_weight(tcfg, step), aux_coef=aux,
-      z_coef=tcfg.z_loss_coef, main_weight=0.0 if tcfg.mtp_only else 1.0)
+      z_coef=tcfg.z_loss_coef, main_weight=0.0 if tcfg.mtp_only else 1.0,
+      chunk=chunk)
   return loss, (metrics, out)
 
 
@@ -109,11 +112,16 @@ def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
               train_config: TrainConfig):
   """Summed CE (nats), target count and target bytes of one batch (the
   targets `losses.target_mask` counts)."""
+  chunk = model_config.settings.loss_chunk
   out = model.forward(model_config, variables_of(state), batch["tokens"],
                       segment_ids=batch["segment_ids"],
-                      positions=batch["positions"])
+                      positions=batch["positions"], logits=not chunk)
   targets, mask = losses.target_mask(batch, 1)
-  ce, _ = losses.cross_entropy(out.logits, targets, mask)
+  if chunk:
+    ce = losses.chunked_cross_entropy(out.head_inputs[0], out.lm_head,
+                                      targets, mask, chunk=chunk)[0]
+  else:
+    ce, _ = losses.cross_entropy(out.logits, targets, mask)
   del train_config
   return {"nats": jnp.sum(ce), "tokens": jnp.sum(mask),
           "bytes": jnp.sum(batch["num_bytes"])}
