@@ -37,6 +37,7 @@ from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, params
 from m2jax.data import single_document_batch
+from m2jax.errors import UserError
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.settings import Settings
@@ -58,6 +59,26 @@ flags.DEFINE_string("profile_dir", None,
                     "Trace steps of every run into this directory and write "
                     "the per-op JSON and the per-category table.")
 flags.DEFINE_integer("profile_steps", 3, "Steps traced (after timing).")
+flags.DEFINE_multi_string(
+    "variant", [], "Also time the first backend with other Settings: "
+    "'NAME FIELD=VALUE ...' (attention=cudnn loss_chunk=0 is the step before "
+    "the mask-free attention and the chunked loss); repeatable.")
+
+
+def _variants() -> list[tuple[str, dict]]:
+  """[(name, Settings changes)] of --variant."""
+  out = []
+  for text in FLAGS.variant:
+    name, *pairs = text.split()
+    changes = {}
+    for pair in pairs:
+      field, sep, value = pair.partition("=")
+      if not sep:
+        raise UserError(f"--variant {text!r}: expected FIELD=VALUE, got "
+                        f"{pair!r}")
+      changes[field] = int(value) if value.lstrip("-").isdigit() else value
+    out.append((name, changes))
+  return out
 
 
 def _dense_matmul_tflops(reps=20) -> float:
@@ -70,12 +91,13 @@ def _dense_matmul_tflops(reps=20) -> float:
   return params.matmul_flops(n, n, n) / seconds / 1e12
 
 
-def _model_config(backend: str, dense: bool = False):
+def _model_config(backend: str, dense: bool = False, changes=None):
   mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override)
   if dense:
     mcfg = config_lib.dense_counterpart(mcfg)
-  return mcfg.replace(settings=Settings(gmm_backend=backend))
+  return mcfg.replace(settings=Settings(gmm_backend=backend).replace(
+      **(changes or {})))
 
 
 def _output_stem() -> str:
@@ -84,9 +106,11 @@ def _output_stem() -> str:
   return os.path.join(FLAGS.profile_dir, "bench_train")
 
 
-def bench(backend: str, dense: bool = False) -> dict:
-  mcfg = _model_config(backend, dense)
+def bench(backend: str, dense: bool = False, variant=None) -> dict:
+  name, changes = variant or ("", {})
+  mcfg = _model_config(backend, dense, changes)
   label = f"dense-{backend}" if dense else backend
+  label += f"-{name}" if name else ""
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
   t = time.perf_counter()
   state = state_lib.init_state(mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
@@ -154,11 +178,12 @@ def main(argv):
             "total_params": counts["total_params"],
             "dense_bf16_matmul_tflops": _dense_matmul_tflops(),
             "peak_bf16_tflops": (peak_flops() or 0) / 1e12, "runs": []}
-  runs = [(backend, False) for backend in FLAGS.backends]
+  runs = [(backend, False, None) for backend in FLAGS.backends]
+  runs += [(FLAGS.backends[0], False, v) for v in _variants()]
   if FLAGS.dense_baseline:  # the dense FFN runs no grouped matmul
-    runs.append((FLAGS.backends[0], True))
-  for backend, dense in runs:
-    r = bench(backend, dense)
+    runs.append((FLAGS.backends[0], True, None))
+  for backend, dense, variant in runs:
+    r = bench(backend, dense, variant)
     result["runs"].append(r)
     print(json.dumps({k: v for k, v in r.items() if k != "profile"}))
   dense_run = next((r for r in result["runs"]
