@@ -191,8 +191,8 @@ def test_from_flags_reads_the_given_flag_values(monkeypatch):
   run_flags.define(fv, moe_capacity_factor=1.5)
   fv(["prog", "--mesh=data=1", "--all_to_all=dense", "--exchange_chunks=2"])
   mesh, s = run_flags.from_flags(fv)
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1,
-                              "tensor": 1}
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "sequence": 1,
+                              "expert": 1, "tensor": 1}
   assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
       1.5, "dense", 2)
   assert run_flags.extend_xla_flags("expert=2", "ragged", True)
