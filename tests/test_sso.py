@@ -178,7 +178,7 @@ def _solve_inputs(n=6, d_in=6, d_out=10, seed=0):
 SOLVER = dict(bracket_start=1e-3, bracket_doublings=10, bisect_steps=20,
               tolerance=2e-4)
 # The limits are traced: both solver tests share one compile.
-_solve = jax.jit(sso.solve_lambda)
+_solve = jax.jit(sso.solve_lambda, static_argnames=("root_finder",))
 
 
 def test_lambda_root_is_within_tolerance():
