@@ -251,11 +251,27 @@ def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
     inside = jnp.isfinite(secant) & (secant > lo) & (secant < hi)
     return jnp.where(inside, secant, mid)
 
+  def expansion(c):
+    """How far from a the next bracket candidate lies: step0 2^k; under
+    "illinois", where the secant through (a, h(a)) and the last candidate
+    puts the root farther, 1.5 x that (to pass it), at most 16 x the last
+    distance. At least twice the last distance either way, so the cold
+    search's reach is passed in as many candidates."""
+    geometric = step0 * 2.0**c["expanded"]
+    if root_finder == "bisect":
+      return geometric
+    last = toward * (c["near"] - a)
+    secant = last * h_a / (h_a - c["h_near"])
+    useful = (c["expanded"] > 0) & jnp.isfinite(secant)
+    reach = jnp.minimum(1.5 * secant, 16 * jnp.maximum(last, step0))
+    return jnp.maximum(jnp.maximum(geometric, 2 * last),
+                       jnp.where(useful, reach, 0.0))
+
   def step(c):
     phase = c["phase"]
     bracketing, refining = phase == _BRACKET, phase == _REFINE
     falling_back = phase == _FALLBACK
-    expand_to = a + toward * step0 * 2.0**c["expanded"]
+    expand_to = a + toward * expansion(c)
     candidate = jnp.where(bracketing, expand_to,
                           jnp.where(refining, refine_candidate(c), 0.0))
     phi = evaluate(candidate)
