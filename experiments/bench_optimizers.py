@@ -41,14 +41,13 @@ JSON: {"device", "preset", "overrides", "batch", "seq_len", "steps",
 "seed", "lr", "adam_lr", "final_loss", "final_ce", "val_loss", "val_bpb",
 "load_violation_final", "load_violation_mean", "load_violation_max",
 "hidden_rms_final", "hidden_rms_max", "step_s", "first_step_s",
-"tokens_per_sec", "peak_memory_gib", "finite", "evaluations_mean",
-"evaluations_max", "msign_cost" (sso.metrics: mean, max, mean over steps;
-NaN but for SSO and MuonSphere), "curves": {"step", "loss", "ce",
-"load_violation", "hidden_rms", "step_s", "evaluations_mean",
-"evaluations_max", "msign_cost"}} or {"optimizer", "seed",
+"tokens_per_sec", "peak_memory_gib", "finite", "curves": {"step", "loss",
+"ce", "load_violation", "hidden_rms", "step_s", "evaluations_mean",
+"evaluations_max", "msign_cost" (m2jax.train.sso.metrics of each step;
+NaN but for SSO and MuonSphere)}} or {"optimizer", "seed",
 "error"} (out of memory)], "summary": {optimizer: {the means over its seeds
 of final_loss, final_ce, val_loss, load_violation_*, hidden_rms_*, step_s,
-evaluations_mean, msign_cost;
+and over steps too of evaluations_mean, evaluations_max, msign_cost;
 "seeds", "step_vs_muon"}}}.
 """
 
@@ -116,10 +115,9 @@ run_flags.define()
 
 SUMMARY_KEYS = ("final_loss", "final_ce", "val_loss", "load_violation_final",
                 "load_violation_mean", "load_violation_max",
-                "hidden_rms_final", "hidden_rms_max", "step_s",
-                "evaluations_mean", "msign_cost")
+                "hidden_rms_final", "hidden_rms_max", "step_s")
 # Per step, from the optimizer state (m2jax.train.sso.metrics; NaN for
-# AdamW and Muon).
+# AdamW and Muon); the summary holds their means over steps and seeds.
 SSO_CURVES = ("evaluations_mean", "evaluations_max", "msign_cost")
 
 
@@ -201,9 +199,6 @@ def one_run(mcfg, dcfg, tokenizer, optimizer: str, seed: int,
       "hidden_rms_final": _tail_mean(curves["hidden_rms"]),
       "hidden_rms_max": float(np.max(curves["hidden_rms"])),
       "step_s": step_s, "first_step_s": curves["step_s"][0],
-      "evaluations_mean": float(np.mean(curves["evaluations_mean"])),
-      "evaluations_max": float(np.max(curves["evaluations_max"])),
-      "msign_cost": float(np.mean(curves["msign_cost"])),
       "tokens_per_sec": FLAGS.batch * FLAGS.seq_len / step_s,
       "peak_memory_gib": mem.get("peak_bytes_in_use", 0) / 2**30,
       "curves": curves,
@@ -217,9 +212,12 @@ def summarize(runs) -> dict:
   for name in dict.fromkeys(r["optimizer"] for r in runs):
     done = [r for r in runs if r["optimizer"] == name and "error" not in r]
     if done:
-      # Runs from before the sphere's counts were recorded lack them.
-      out[name] = {k: float(np.mean([r.get(k, np.nan) for r in done]))
+      out[name] = {k: float(np.mean([r[k] for r in done]))
                    for k in SUMMARY_KEYS}
+      # Runs from before the counts were recorded lack them: NaN.
+      for k in SSO_CURVES:
+        out[name][k] = float(np.mean([np.mean(r["curves"].get(k, np.nan))
+                                      for r in done]))
       out[name]["seeds"] = len(done)
   if "muon" in out:
     for name in out:
