@@ -28,8 +28,11 @@ already holds and skips them.
 
 Cost. Every optimizer is its own compiled step, and SSO's update is costly
 at m2_small: one msign of all its units is ~28 TFLOP (the experts' 2,496
-units), MuonSphere runs one per step, SSO one per lambda candidate (often
-15-25: the doubling bracket, then bisection), in true float32 by default
+units), MuonSphere runs one per step, SSO one per lambda candidate (the
+bracket from the last step's lambda*, then Illinois steps: the columns
+`evals`, the mean per unit and step, and `msigns`, the step's msign work in
+msigns of every unit, MuonSphere's being 1; before warm starts and
+Illinois, cold bracket + bisection: 15-25), in true float32 by default
 (TrainConfig.sso_matmul_precision; --train_override=sso_matmul_precision=
 BF16_BF16_F32_X3 keeps ~16 bits on tensor cores).
 
@@ -39,9 +42,12 @@ JSON: {"device", "preset", "overrides", "batch", "seq_len", "steps",
 "load_violation_final", "load_violation_mean", "load_violation_max",
 "hidden_rms_final", "hidden_rms_max", "step_s", "first_step_s",
 "tokens_per_sec", "peak_memory_gib", "finite", "curves": {"step", "loss",
-"ce", "load_violation", "hidden_rms", "step_s"}} or {"optimizer", "seed",
+"ce", "load_violation", "hidden_rms", "step_s", "evaluations_mean",
+"evaluations_max", "msign_cost" (m2jax.train.sso.metrics of each step;
+NaN but for SSO and MuonSphere)}} or {"optimizer", "seed",
 "error"} (out of memory)], "summary": {optimizer: {the means over its seeds
-of final_loss, final_ce, val_loss, load_violation_*, hidden_rms_*, step_s;
+of final_loss, final_ce, val_loss, load_violation_*, hidden_rms_*, step_s,
+and over steps too of evaluations_mean, evaluations_max, msign_cost;
 "seeds", "step_vs_muon"}}}.
 """
 
@@ -58,6 +64,7 @@ from experiments import cli, run_flags
 from m2jax import config as config_lib
 from m2jax.data import DataConfig, check_splits, make_iterator, make_tokenizer
 from m2jax.errors import UserError
+from m2jax.train import sso
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.checkpoint import write_json
@@ -109,6 +116,9 @@ run_flags.define()
 SUMMARY_KEYS = ("final_loss", "final_ce", "val_loss", "load_violation_final",
                 "load_violation_mean", "load_violation_max",
                 "hidden_rms_final", "hidden_rms_max", "step_s")
+# Per step, from the optimizer state (m2jax.train.sso.metrics; NaN for
+# AdamW and Muon); the summary holds their means over steps and seeds.
+SSO_CURVES = ("evaluations_mean", "evaluations_max", "msign_cost")
 
 
 def _lrs() -> dict[str, float]:
@@ -150,7 +160,7 @@ def one_run(mcfg, dcfg, tokenizer, optimizer: str, seed: int,
   as_arrays = lambda b: {k: np.asarray(v) for k, v in b.items()}
   batch = as_arrays(next(batches))
   curves = {k: [] for k in ("step", "loss", "ce", "load_violation",
-                            "hidden_rms", "step_s")}
+                            "hidden_rms", "step_s") + SSO_CURVES}
   finite = True
   for i in range(FLAGS.steps):
     t = time.perf_counter()
@@ -164,6 +174,9 @@ def one_run(mcfg, dcfg, tokenizer, optimizer: str, seed: int,
         float(metrics.get("router/load_max_over_mean", np.nan)) - 1.0)
     curves["hidden_rms"].append(float(metrics["act/hidden_rms"]))
     curves["step_s"].append(seconds)
+    solve = jax.device_get(sso.metrics(state.opt_state))
+    for k in SSO_CURVES:
+      curves[k].append(float(solve.get("sso/" + k, np.nan)))
     if not np.isfinite(curves["loss"][-1]):
       finite = False
       break
@@ -201,6 +214,10 @@ def summarize(runs) -> dict:
     if done:
       out[name] = {k: float(np.mean([r[k] for r in done]))
                    for k in SUMMARY_KEYS}
+      # Runs from before the counts were recorded lack them: NaN.
+      for k in SSO_CURVES:
+        out[name][k] = float(np.mean([np.mean(r["curves"].get(k, np.nan))
+                                      for r in done]))
       out[name]["seeds"] = len(done)
   if "muon" in out:
     for name in out:
@@ -211,14 +228,15 @@ def summarize(runs) -> dict:
 def _table(summary) -> str:
   head = (f"{'optimizer':>10} {'seeds':>5} {'loss':>7} {'val':>7} "
           f"{'viol.end':>8} {'viol.max':>8} {'rms.end':>8} {'step ms':>8} "
-          f"{'/muon':>6}")
+          f"{'/muon':>6} {'evals':>6} {'msigns':>6}")
   rows = [head]
   for name, s in summary.items():
     rows.append(f"{name:>10} {s['seeds']:>5} {s['final_loss']:>7.4f} "
                 f"{s['val_loss']:>7.4f} {s['load_violation_final']:>8.3f} "
                 f"{s['load_violation_max']:>8.3f} "
                 f"{s['hidden_rms_final']:>8.3f} {1e3 * s['step_s']:>8.1f} "
-                f"{s.get('step_vs_muon', float('nan')):>6.2f}")
+                f"{s.get('step_vs_muon', float('nan')):>6.2f} "
+                f"{s['evaluations_mean']:>6.2f} {s['msign_cost']:>6.2f}")
   return "\n".join(rows)
 
 

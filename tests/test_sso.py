@@ -178,14 +178,15 @@ def _solve_inputs(n=6, d_in=6, d_out=10, seed=0):
 SOLVER = dict(bracket_start=1e-3, bracket_doublings=10, bisect_steps=20,
               tolerance=2e-4)
 # The limits are traced: both solver tests share one compile.
-_solve = jax.jit(sso.solve_lambda)
+_solve = jax.jit(sso.solve_lambda, static_argnames=("root_finder",))
 
 
-def test_lambda_root_is_within_tolerance():
+@pytest.mark.parametrize("root_finder", ["bisect", "illinois"])
+def test_lambda_root_is_within_tolerance(root_finder):
   m_hat, v, u, theta = _solve_inputs()
   h = lambda lam: np.sum(theta * _polar(m_hat + lam * theta), axis=(-2, -1))
   assert np.all(np.abs(h(np.zeros((6, 1, 1)))) > 1e-2)  # lambda* != 0
-  out = _solve(m_hat, v, u, **SOLVER)
+  out = _solve(m_hat, v, u, **SOLVER, root_finder=root_finder)
   assert np.all(np.asarray(out.bracketed))
   assert np.all(np.abs(np.asarray(out.h)) <= SOLVER["tolerance"])
   # Checked independently: the SVD polar factor at lambda*.
@@ -193,6 +194,55 @@ def test_lambda_root_is_within_tolerance():
                 + NS_TOL)
   np.testing.assert_allclose(out.phi, _polar(m_hat + out.lam * theta),
                              atol=NS_TOL)
+  # The cold search's cost (measured: bisection 13-19 evaluations a unit,
+  # Illinois 7-12: the same bracket, then ~3 secant steps for ~10 halvings).
+  assert np.max(out.evaluations) <= {"bisect": 21, "illinois": 13}[
+      root_finder], np.asarray(out.evaluations).ravel()
+
+
+def _nearby(m_hat, seed, size=0.05):
+  """m_hat moved by ~`size` (relative, Frobenius), renormalised: the next
+  step's M^ under momentum."""
+  noise = np.random.default_rng(seed).normal(size=m_hat.shape)
+  m = np.asarray(m_hat) + size * noise / np.linalg.norm(
+      noise, axis=(-2, -1), keepdims=True)
+  return jnp.asarray(m / np.linalg.norm(m, axis=(-2, -1), keepdims=True),
+                     jnp.float32)
+
+
+def test_a_warm_start_from_the_last_lambda_needs_few_evaluations():
+  """Step 2 of each unit, started at its lambda* of step 1: a few
+  evaluations (measured 3-4: lambda_prev, the step that brackets, one or two
+  Illinois steps) against a cold solve's (the loop's, its max: bisection
+  20, Illinois 7), and the same root as cold bisection (both within
+  tolerance of h = 0)."""
+  m_hat, v, u, theta = _solve_inputs()
+  first = _solve(m_hat, v, u, **SOLVER, root_finder="illinois")
+  m_next = _nearby(m_hat, 7)
+  warm = _solve(m_next, v, u, **SOLVER, lam_start=first.lam,
+                root_finder="illinois")
+  cold = _solve(m_next, v, u, **SOLVER, root_finder="bisect")
+  cold_illinois = _solve(m_next, v, u, **SOLVER, root_finder="illinois")
+  # The loop runs until its last unit is done: the max is the cost.
+  assert np.max(warm.evaluations) <= 4, np.asarray(warm.evaluations).ravel()
+  assert np.max(cold.evaluations) >= 3 * np.max(warm.evaluations)
+  # Measured: warm 3-4 a unit (20 in all), cold Illinois 3-7 (33).
+  assert np.max(cold_illinois.evaluations) > np.max(warm.evaluations)
+  assert (np.sum(warm.evaluations)
+          <= 2 / 3 * np.sum(cold_illinois.evaluations)), (
+              np.asarray(cold_illinois.evaluations).ravel())
+  assert np.all(np.asarray(warm.bracketed))
+  # lambda* moved (the warm start had work to do: h(lambda_prev) was off) ...
+  assert np.min(warm.evaluations) >= 3
+  # ... and agrees with bisection's: |lam - lam'| h'(lam) within 2 tol, h'
+  # by a central difference of the SVD polar factor.
+  h = lambda lam: np.sum(theta * _polar(m_next + lam * theta), axis=(-2, -1),
+                         keepdims=True)
+  lam = np.asarray(warm.lam, np.float64)
+  slope = (h(lam + 1e-4) - h(lam - 1e-4)) / 2e-4
+  assert np.all(np.abs(h(lam)) <= SOLVER["tolerance"] + NS_TOL)
+  assert np.all(np.abs(lam - np.asarray(cold.lam)) * slope
+                <= 2 * SOLVER["tolerance"])
 
 
 def test_lambda_falls_back_to_zero_without_a_bracket():
@@ -203,6 +253,15 @@ def test_lambda_falls_back_to_zero_without_a_bracket():
   assert not np.any(np.asarray(out.bracketed))
   assert not np.any(np.asarray(out.lam))
   np.testing.assert_array_equal(out.phi, _msign(m_hat))
+  # From a warm start too (steps of 1e-6 x 2^k from 1e-6 pass the cold
+  # search's reach without a bracket, then one evaluation at 0): lam = 0
+  # and msign(M^).
+  lam = jnp.full((6, 1, 1), 1e-6, jnp.float32)
+  out = _solve(m_hat, v, u, **dict(SOLVER, bracket_start=1e-6,
+                                    bracket_doublings=1), lam_start=lam)
+  assert not np.any(np.asarray(out.bracketed))
+  assert not np.any(np.asarray(out.lam))
+  np.testing.assert_allclose(out.phi, _msign(m_hat), atol=1e-6)
 
 
 def test_a_step_lands_every_unit_on_its_sphere_and_moves_eta_r():
@@ -317,11 +376,35 @@ def test_singular_vectors_shard_like_their_parameter():
   assert w1(inner.v).spec == P("expert", "fsdp", None)
   assert q(inner.u).spec == P(None, "tensor", None)
   assert q(inner.v).spec == P("fsdp", "tensor", None)
+  # lambda*: one per unit, split like the units.
+  assert w1(inner.lam).spec == P("expert", None, None)
+  assert q(inner.lam).spec == P(None, "tensor", None)
+
+
+def test_the_state_keeps_lambda_and_counts_the_evaluations():
+  """SSO's state holds each unit's lambda* (the next step's start; 0 under
+  MuonSphere) and the step's evaluation counts, which sso.metrics reads."""
+  _, state = _step("sso")
+  _, sphere_state = _step("muonsphere")
+  lam = _get(sso.find_state(state).lam, ("moe", "w1"))
+  assert lam.shape == (E, 1, 1) and np.all(np.asarray(lam) != 0)
+  assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(
+      sso.find_state(sphere_state).lam))
+  got = {k: float(x) for k, x in sso.metrics(state).items()}
+  assert set(got) == {"sso/evaluations_mean", "sso/evaluations_max",
+                      "sso/msign_cost"}
+  # A cold first step: the bracket, then Illinois steps, for every unit.
+  assert 3 <= got["sso/evaluations_mean"] <= got["sso/evaluations_max"]
+  assert got["sso/msign_cost"] <= got["sso/evaluations_max"]
+  assert {float(x) for x in sso.metrics(sphere_state).values()} == {1.0}
+  assert sso.metrics(_step("adamw")[1]) == {}
 
 
 def test_bad_constants_are_refused_naming_the_field():
   for field, value in (("sso_tolerance", 0.0), ("sso_momentum", 1.0),
                        ("sso_ns_steps", 0), ("sso_matmul_precision", "tf32"),
+                       ("sso_root_finder", "newton"),
+                       ("sso_warm_start", "yes"),
                        ("matrix_learning_rate", -1.0)):
     with pytest.raises(ConfigError, match=f"TrainConfig.{field}: "):
       TrainConfig(**{field: value})

@@ -10,6 +10,8 @@ OPTIMIZERS = ("adamw", "muon", "muonsphere", "sso")
 # The optimizers that keep the hidden matrices on a spectral sphere
 # (m2jax.train.sso; MuonSphere is SSO with lambda = 0).
 SPHERE_OPTIMIZERS = ("muonsphere", "sso")
+# How SSO refines a bracketed lambda (m2jax.train.sso.solve_lambda).
+SSO_ROOT_FINDERS = ("illinois", "bisect")
 # jax.lax.Precision levels, and two of jax.lax.DotAlgorithmPreset: float32
 # carried by 3 or 6 bfloat16 passes on tensor cores (GPU; exact on CPU).
 MATMUL_PRECISIONS = ("default", "high", "highest", "BF16_BF16_F32_X3",
@@ -77,8 +79,14 @@ class TrainConfig:
   sso_ns_steps: int = 8              # Polar-Express Newton-Schulz steps
   sso_bracket_start: float = 1e-3    # first |lambda| tried
   sso_bracket_doublings: int = 10    # then doubled at most this often
-  sso_bisect_steps: int = 20         # bisection steps at most ...
+  sso_bisect_steps: int = 20         # refinement steps at most ...
   sso_tolerance: float = 2e-4        # ... until |h(lambda)| <= this
+  # The refinement: "illinois" (regula falsi, Illinois-modified: a few
+  # steps) or "bisect" (one bit a step), inside the bracket either way.
+  sso_root_finder: str = "illinois"
+  # Start each unit's search at its lambda* of the previous step (kept in
+  # the optimizer state); False: from 0 every step.
+  sso_warm_start: bool = True
   sso_eps: float = 1e-7              # guards the normalisations
   # Matmul precision of msign and the power iteration (float32 inputs,
   # MATMUL_PRECISIONS): "highest" is true float32 (no tensor cores on a
@@ -142,6 +150,11 @@ class TrainConfig:
         _fail(name, "must be >= 0", getattr(self, name))
     if self.sso_ns_steps <= 0:
       _fail("sso_ns_steps", "must be positive", self.sso_ns_steps)
+    if self.sso_root_finder not in SSO_ROOT_FINDERS:
+      _fail("sso_root_finder", f"must be one of {SSO_ROOT_FINDERS}",
+            self.sso_root_finder)
+    if not isinstance(self.sso_warm_start, bool):
+      _fail("sso_warm_start", "must be a bool", self.sso_warm_start)
     if self.sso_matmul_precision not in MATMUL_PRECISIONS:
       _fail("sso_matmul_precision", f"must be one of {MATMUL_PRECISIONS}",
             self.sso_matmul_precision)

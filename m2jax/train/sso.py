@@ -12,10 +12,17 @@ d_in) and steps along it. Per unit and step:
   lambda* : h(lambda) = <Theta, msign(M^ + lambda Theta)> = 0
   W  <- W - eta R msign(M^ + lambda* Theta)
 
-h is monotone in lambda, so lambda* is bracketed (from `sso_bracket_start`,
-doubling at most `sso_bracket_doublings` times away from the sign of h(0))
-and bisected (at most `sso_bisect_steps` steps, until |h| <=
-`sso_tolerance`); with no bracket it falls back to lambda = 0. The step
+h is monotone in lambda, so lambda* is bracketed and the bracket refined
+(solve_lambda): each unit's search starts at its lambda* of the previous
+step (kept in the state; `sso_warm_start`), steps away from it until h
+changes sign (at least doubling each time, at most
+`sso_bracket_doublings` doublings' reach beyond the cold search's), then
+refines by Illinois-modified regula falsi (`sso_root_finder`; "bisect":
+bisection) for at most `sso_bisect_steps` steps, until |h| <=
+`sso_tolerance`; with no bracket it falls back to lambda = 0. Each
+evaluation of h is one msign: measured on the tiny preset in training,
+~4.5 a unit and step (max 6-13) against 13 (max ~20) for the cold
+bracket-and-bisect search (`metrics` reports them). The step
 msign(.) has spectral norm 1, so |W_new - W_retracted|_2 = eta R exactly,
 and <Theta, step> = 0 keeps it tangent to the sphere (sigma moves only at
 second order). MuonSphere is the same with lambda = 0: Muon's direction,
@@ -69,7 +76,7 @@ import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from m2jax.train.config import TrainConfig
+from m2jax.train.config import SSO_ROOT_FINDERS, TrainConfig
 
 # Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): the
 # minimax-optimal odd quintics a x + b x^3 + c x^5 for 8 iterations mapping
@@ -162,72 +169,166 @@ class LambdaSolve(NamedTuple):
   phi: jax.Array            # msign(M^ + lam Theta), the step direction
   h: jax.Array              # h(lam) = <Theta, phi>
   bracketed: jax.Array      # bool: a sign change of h was found
-  evaluations: jax.Array    # msign evaluations of the loop (all units)
+  evaluations: jax.Array    # int32: the h evaluations this unit's solve used
 
 
-_BRACKET, _BISECT, _DONE = 0, 1, 2
+ROOT_FINDERS = SSO_ROOT_FINDERS
+# A warm start's first step away from lambda_prev, relative to |lambda_prev|
+# (at least bracket_start). Measured on the tiny preset in training: lambda*
+# moves by a median 17-30% a step (the new gradient is 1/10 of the
+# momentum's mass, and Nesterov weighs it again), some units through 0.
+WARM_STEP = 0.25
+
+_BRACKET, _REFINE, _FALLBACK, _DONE = 0, 1, 2, 3
+_NEAR, _FAR = -1, 1
 
 
 def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
                  bracket_doublings: int, bisect_steps: int, tolerance: float,
+                 lam_start=None, root_finder: str = "illinois",
                  ns_steps: int = 8, eps: float = 1e-7,
                  precision=None) -> LambdaSolve:
   """The root of h(lam) = <Theta, msign(m_hat + lam Theta)>, Theta = v u,
   of each unit.
 
   m_hat: [..., d_in, d_out] float32 (leading axes index units); v [...,
-  d_in, 1], u [..., 1, d_out] (Theta is never stored); phi0 =
-  msign(m_hat) if already computed. Units are solved together in one loop
-  that evaluates msign for all of them per iteration and ends when each is
-  done: |h(0)| <= tolerance (lam = 0); or the candidates
-  -sign(h(0)) bracket_start 2^k, k = 0 .. bracket_doublings, never change
-  the sign of h (no bracket: lam = 0); or bisection of the bracket reached
-  |h| <= tolerance or ran bisect_steps steps (lam = the bisection point
-  of smallest |h|).
+  d_in, 1], u [..., 1, d_out] (Theta is never stored); lam_start [..., 1,
+  1]: where each unit's search starts (the previous step's lambda*: a warm
+  start; None: 0); phi0 = msign(m_hat) if already computed (only without
+  lam_start).
+
+  h is nondecreasing (the derivative of the nuclear norm |m_hat + lam
+  Theta|_* along Theta, a convex function of lam), so one sign change
+  brackets the root. Units are solved together in one loop that evaluates
+  msign for all of them per iteration and ends when each is done:
+
+  * |h(a)| <= tolerance at the start a: lam = a.
+  * Bracket: candidates a + d_k toward the root (-sign h(a)), d_0 = s =
+    max(WARM_STEP |a|, bracket_start), then d_k = s 2^k ("bisect"; from a
+    = 0 the original cold search) or under "illinois" the larger of 2
+    d_{k-1}, s 2^k and 1.5 x the secant's root through (a, h(a)) and the
+    last candidate (capped at 16 d_{k-1}). The first candidate past the
+    root brackets it. None up to k = bracket_doublings and beyond the cold
+    search's last candidate (+-bracket_start 2^bracket_doublings, so a
+    warm start never gives up sooner than a cold one): no bracket, lam = 0
+    (one more evaluation, at 0, when a != 0).
+  * Refinement of the bracket until |h| <= tolerance or bisect_steps
+    steps: "bisect" halves it; "illinois" is regula falsi with the
+    Illinois modification (an end kept twice running has its h halved),
+    superlinear on a smooth h, each candidate strictly inside the bracket
+    (the midpoint where the secant is not), so it cannot diverge. lam =
+    the point of smallest |h| once bracketed.
+
+  `evaluations` counts each unit's h evaluations, the start's included;
+  the loop runs max(evaluations) - 1 times (phi0 given: max - 1 in all).
   """
+  if root_finder not in ROOT_FINDERS:
+    raise ValueError(f"root_finder: must be one of {ROOT_FINDERS} (got "
+                     f"{root_finder!r})")
   evaluate = lambda lam: msign(m_hat + lam * v * u, steps=ns_steps, eps=eps,
                                precision=precision)
   h_of = lambda phi: jnp.sum(v * phi * u, axis=(-2, -1), keepdims=True)
-  phi0 = evaluate(0.0) if phi0 is None else phi0
-  h0 = h_of(phi0)
-  sign0 = jnp.sign(h0)
-  zeros = jnp.zeros_like(h0)
+  unit_shape = m_hat.shape[:-2] + (1, 1)
+  if lam_start is None:
+    a = jnp.zeros(unit_shape, jnp.float32)
+    phi_a = evaluate(a) if phi0 is None else phi0
+  else:
+    if phi0 is not None:
+      raise ValueError("solve_lambda: phi0 is msign(m_hat), the start "
+                       "without lam_start")
+    a = jnp.broadcast_to(jnp.asarray(lam_start, jnp.float32), unit_shape)
+    phi_a = evaluate(a)
+  h_a = h_of(phi_a)
+  toward = -jnp.sign(h_a)           # the root lies this way from a
+  step0 = jnp.maximum(WARM_STEP * jnp.abs(a), bracket_start)
+  cold_reach = bracket_start * 2.0**bracket_doublings
+  int32 = lambda x: jnp.asarray(x, jnp.int32)
   init = {
-      "it": jnp.zeros((), jnp.int32),
-      "phase": jnp.where(jnp.abs(h0) <= tolerance, _DONE,
-                         _BRACKET).astype(jnp.int32),
-      "bisected": jnp.zeros(h0.shape, jnp.int32),
-      "near": zeros,     # bracket end on h(0)'s side (0 to start)
-      "far": zeros,      # bracket end past the root
-      "lam": zeros, "h": h0, "phi": phi0,   # best point (lam = 0: fallback)
-      "bracketed": jnp.zeros(h0.shape, bool),
+      "phase": int32(jnp.where(jnp.abs(h_a) <= tolerance, _DONE, _BRACKET)),
+      "evaluations": int32(jnp.ones(unit_shape)),
+      "expanded": int32(jnp.zeros(unit_shape)),
+      "refined": int32(jnp.zeros(unit_shape)),
+      "near": a, "h_near": h_a,    # bracket end on h(a)'s side
+      "far": a, "h_far": h_a,      # bracket end past the root
+      "side": int32(jnp.zeros(unit_shape)),   # the end the last step moved
+      "lam": a, "h": h_a, "phi": phi_a,       # the best point
+      "bracketed": jnp.zeros(unit_shape, bool),
   }
+
+  def refine_candidate(c):
+    mid = 0.5 * (c["near"] + c["far"])
+    if root_finder == "bisect":
+      return mid
+    secant = c["far"] - c["h_far"] * (c["far"] - c["near"]) / (
+        c["h_far"] - c["h_near"])
+    lo = jnp.minimum(c["near"], c["far"])
+    hi = jnp.maximum(c["near"], c["far"])
+    inside = jnp.isfinite(secant) & (secant > lo) & (secant < hi)
+    return jnp.where(inside, secant, mid)
+
+  def expansion(c):
+    """How far from a the next bracket candidate lies: step0 2^k; under
+    "illinois", where the secant through (a, h(a)) and the last candidate
+    puts the root farther, 1.5 x that (to pass it), at most 16 x the last
+    distance. At least twice the last distance either way, so the cold
+    search's reach is passed in as many candidates."""
+    geometric = step0 * 2.0**c["expanded"]
+    if root_finder == "bisect":
+      return geometric
+    last = toward * (c["near"] - a)
+    secant = last * h_a / (h_a - c["h_near"])
+    useful = (c["expanded"] > 0) & jnp.isfinite(secant)
+    reach = jnp.minimum(1.5 * secant, 16 * jnp.maximum(last, step0))
+    return jnp.maximum(jnp.maximum(geometric, 2 * last),
+                       jnp.where(useful, reach, 0.0))
 
   def step(c):
     phase = c["phase"]
-    candidate = jnp.where(phase == _BRACKET,
-                          -sign0 * bracket_start * 2.0**c["it"],
-                          0.5 * (c["near"] + c["far"]))
+    bracketing, refining = phase == _BRACKET, phase == _REFINE
+    falling_back = phase == _FALLBACK
+    expand_to = a + toward * expansion(c)
+    candidate = jnp.where(bracketing, expand_to,
+                          jnp.where(refining, refine_candidate(c), 0.0))
     phi = evaluate(candidate)
     h = h_of(phi)
-    past = h * sign0 <= 0           # the root lies between near and here
+    past = h * toward >= 0          # the root lies between near and here
     small = jnp.abs(h) <= tolerance
-    bracketing, bisecting = phase == _BRACKET, phase == _BISECT
     found = bracketing & past
-    better = bisecting & (jnp.abs(h) < jnp.abs(c["h"]))
-    take = found | better
-    bisected = c["bisected"] + bisecting
-    no_bracket = bracketing & ~past & (c["it"] >= bracket_doublings)
-    done = ((found & (small | (bisect_steps <= 0))) | no_bracket
-            | (bisecting & (small | (bisected >= bisect_steps))))
-    phase = jnp.where(done, _DONE, jnp.where(found, _BISECT, phase))
-    moves_near = (bracketing | bisecting) & ~past
-    moves_far = (bracketing | bisecting) & past
+    searching = bracketing | refining
+    take = ((found | refining) & (jnp.abs(h) < jnp.abs(c["h"]))
+            | falling_back)
+    refined = c["refined"] + refining
+    no_bracket = (bracketing & ~past & (c["expanded"] >= bracket_doublings)
+                  & ((toward * expand_to >= cold_reach * (1 - 1e-6))
+                     | (c["expanded"] >= bracket_doublings + 3)))
+    done = ((found & (small | (bisect_steps <= 0)))
+            | (refining & (small | (refined >= bisect_steps)))
+            | (no_bracket & (a == 0)) | falling_back)
+    phase = jnp.where(
+        done, _DONE, jnp.where(
+            found, _REFINE, jnp.where(no_bracket, _FALLBACK, phase)))
+    moves_near = searching & ~past
+    moves_far = searching & past
+    # Illinois: an end kept twice running has its h halved, so the next
+    # secant falls nearer the root's side and that end moves too.
+    halve = root_finder == "illinois"
+    h_near = jnp.where(moves_near, h, c["h_near"])
+    h_far = jnp.where(moves_far, h, c["h_far"])
+    if halve:
+      h_near = jnp.where(refining & moves_far & (c["side"] == _FAR),
+                         0.5 * h_near, h_near)
+      h_far = jnp.where(refining & moves_near & (c["side"] == _NEAR),
+                        0.5 * h_far, h_far)
+    side = jnp.where(refining & moves_far, _FAR,
+                     jnp.where(refining & moves_near, _NEAR, c["side"]))
     return {
-        "it": c["it"] + 1, "phase": phase.astype(jnp.int32),
-        "bisected": bisected,
-        "near": jnp.where(moves_near, candidate, c["near"]),
-        "far": jnp.where(moves_far, candidate, c["far"]),
+        "phase": int32(phase),
+        "evaluations": c["evaluations"] + (c["phase"] != _DONE),
+        "expanded": c["expanded"] + bracketing,
+        "refined": refined,
+        "near": jnp.where(moves_near, candidate, c["near"]), "h_near": h_near,
+        "far": jnp.where(moves_far, candidate, c["far"]), "h_far": h_far,
+        "side": int32(side),
         "lam": jnp.where(take, candidate, c["lam"]),
         "h": jnp.where(take, h, c["h"]),
         "phi": jnp.where(take, phi, c["phi"]),
@@ -236,7 +337,7 @@ def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
 
   out = jax.lax.while_loop(lambda c: jnp.any(c["phase"] != _DONE), step, init)
   return LambdaSolve(out["lam"], out["phi"], out["h"], out["bracketed"],
-                     out["it"])
+                     out["evaluations"])
 
 
 # Parameters <-> their units' matrices [units..., d_in, d_out].
@@ -266,9 +367,9 @@ def _from_units(y, dims: MuonDimensionNumbers, shape):
 def _vector_shape(shape, dims: MuonDimensionNumbers, side: str):
   """The parameter-layout shape of a singular vector: 1 on the axes it is
   reduced over ("u", the output side: the input axes; "v": the output
-  axes)."""
+  axes); of a per-unit scalar ("unit": lambda*), 1 on both."""
   _, reduction, output = _axes(len(shape), dims)
-  gone = reduction if side == "u" else output
+  gone = {"u": reduction, "v": output, "unit": reduction + output}[side]
   return tuple(1 if a in gone else n for a, n in enumerate(shape))
 
 
@@ -282,12 +383,47 @@ def unit_radius(shape, dims: MuonDimensionNumbers, scale: float) -> float:
 
 class SphereState(NamedTuple):
   """Per unit-family state: the step count (which the schedule reads), the
-  momentum, and each unit's top singular vectors (parameter layout, size 1
-  on the axes they are reduced over)."""
+  momentum, each unit's top singular vectors (parameter layout, size 1 on
+  the axes they are reduced over), each unit's lambda* of the last step
+  (size 1 on the input and output axes; the next solve starts there; 0
+  under MuonSphere) and the last step's METRICS (float32 scalars, see
+  `metrics`)."""
   count: jax.Array
   momentum: optax.Updates
   u: optax.Updates
   v: optax.Updates
+  lam: optax.Updates
+  metrics: dict[str, jax.Array]
+
+
+# SphereState.metrics: the lambda solve's h evaluations (msign of a unit;
+# MuonSphere's one msign counts 1) per unit, mean and max over the units,
+# and the step's msign work in msigns of every unit: each stack's loop
+# runs until its last unit is done, so a stack costs its max, weighted
+# here by its share of one msign's FLOPs. The step's msign time is about
+# msign_cost x MuonSphere's.
+METRICS = ("evaluations_mean", "evaluations_max", "msign_cost")
+
+
+def _no_metrics():
+  return {k: jnp.ones((), jnp.float32) for k in METRICS}
+
+
+def find_state(opt_state) -> SphereState | None:
+  """The SphereState inside an optimizer state, None if there is none."""
+  found = [x for x in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, SphereState))
+           if isinstance(x, SphereState)]
+  return found[0] if found else None
+
+
+def metrics(opt_state) -> dict[str, jax.Array]:
+  """{"sso/<name>": float32} of the last update (METRICS; {} without SSO
+  or MuonSphere in `opt_state`)."""
+  state = find_state(opt_state)
+  if state is None:
+    return {}
+  return {"sso/" + k: v for k, v in state.metrics.items()}
 
 
 def _stacks(shapes, dims) -> dict[tuple[int, int], list[int]]:
@@ -369,9 +505,12 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
     treedef, dims, (ps,) = leaves(params, params)
     us, vs = _cold_start(tuple(ps), tuple(dims), iters=c.sso_power_iters_init,
                          eps=c.sso_eps, precision=precision) if ps else ([], [])
+    lams = [jnp.zeros(_vector_shape(p.shape, d, "unit"), jnp.float32)
+            for p, d in zip(ps, dims)]
     return SphereState(jnp.zeros((), jnp.int32),
                        optax.tree.zeros_like(params),
-                       treedef.unflatten(us), treedef.unflatten(vs))
+                       treedef.unflatten(us), treedef.unflatten(vs),
+                       treedef.unflatten(lams), _no_metrics())
 
   def update(updates, state, params=None):
     if params is None:
@@ -380,14 +519,18 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
     eta = jnp.asarray(learning_rate(state.count), jnp.float32)
     momentum = jax.tree.map(lambda m, g: c.sso_momentum * m + g,
                             state.momentum, updates)
-    treedef, dims, (gs, ms, ps, us, vs) = leaves(
-        params, updates, momentum, params, state.u, state.v)
+    treedef, dims, (gs, ms, ps, us, vs, lams) = leaves(
+        params, updates, momentum, params, state.u, state.v, state.lam)
     f32 = lambda x, d: _to_units(x, d).astype(jnp.float32)
     ws = [f32(p, d) for p, d in zip(ps, dims)]
     ns = [f32(g + c.sso_momentum * m, d) for g, m, d in zip(gs, ms, dims)]
     v_units = [f32(v, d) for v, d in zip(vs, dims)]
+    lam_units = [_to_units(x, d) for x, d in zip(lams, dims)]
     batch_shapes = [w.shape[:-2] for w in ws]
     deltas, new_u, new_v = [None] * len(ps), [None] * len(ps), [None] * len(ps)
+    new_lam = list(lams)
+    # Per stack: (each unit's evaluations, msign FLOPs of the stack).
+    counts, flops = [], []
     for (d_in, d_out), index in _stacks([p.shape for p in ps], dims).items():
       radius = c.sso_radius_scale * math.sqrt(d_out / d_in)
       w = _stacked(ws, index)
@@ -396,14 +539,27 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
                                  precision=precision)
       n = _stacked(ns, index)
       m_hat = n / (_frobenius(n) + c.sso_eps)
-      phi = msign(m_hat, steps=c.sso_ns_steps, eps=c.sso_eps,
-                  precision=precision)
       if solve:
-        phi = solve_lambda(
-            m_hat, v, u, phi, bracket_start=c.sso_bracket_start,
+        solved = solve_lambda(
+            m_hat, v, u, bracket_start=c.sso_bracket_start,
             bracket_doublings=c.sso_bracket_doublings,
             bisect_steps=c.sso_bisect_steps, tolerance=c.sso_tolerance,
-            ns_steps=c.sso_ns_steps, eps=c.sso_eps, precision=precision).phi
+            lam_start=(_stacked(lam_units, index) if c.sso_warm_start
+                       else None),
+            root_finder=c.sso_root_finder, ns_steps=c.sso_ns_steps,
+            eps=c.sso_eps, precision=precision)
+        phi = solved.phi
+        counts.append(solved.evaluations.reshape(-1))
+        for i, part in _unstacked(solved.lam, batch_shapes, index).items():
+          new_lam[i] = _from_units(part, dims[i], lams[i].shape)
+      else:
+        # At the stored lambda (always 0): the same program as SSO's first
+        # evaluation, so where SSO stops there the two agree to the bit.
+        lam = _stacked(lam_units, index)
+        phi = msign(m_hat + lam * v * u, steps=c.sso_ns_steps, eps=c.sso_eps,
+                    precision=precision)
+        counts.append(jnp.ones(m_hat.shape[:-2], jnp.int32).reshape(-1))
+      flops.append(m_hat.shape[0] * min(d_in, d_out)**2 * max(d_in, d_out))
       retract = radius / jnp.maximum(sigma, c.sso_eps)
       delta = w * (retract - 1.0) - eta * radius * phi
       for i, part in _unstacked(delta, batch_shapes, index).items():
@@ -413,8 +569,17 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
         new_u[i] = _from_units(part, dims[i], us[i].shape).astype(us[i].dtype)
       for i, part in _unstacked(v, batch_shapes, index).items():
         new_v[i] = _from_units(part, dims[i], vs[i].shape).astype(vs[i].dtype)
+    if counts:
+      every = jnp.concatenate(counts).astype(jnp.float32)
+      cost = sum(f * jnp.max(n) for f, n in zip(flops, counts)) / sum(flops)
+      step_metrics = {"evaluations_mean": jnp.mean(every),
+                      "evaluations_max": jnp.max(every),
+                      "msign_cost": jnp.asarray(cost, jnp.float32)}
+    else:
+      step_metrics = _no_metrics()
     return (treedef.unflatten(deltas),
             SphereState(state.count + 1, momentum, treedef.unflatten(new_u),
-                        treedef.unflatten(new_v)))
+                        treedef.unflatten(new_v), treedef.unflatten(new_lam),
+                        step_metrics))
 
   return optax.GradientTransformation(init, update)
