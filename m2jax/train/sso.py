@@ -571,7 +571,10 @@ def scale_by_sphere(config: TrainConfig, unit_dims,
         new_v[i] = _from_units(part, dims[i], vs[i].shape).astype(vs[i].dtype)
     if counts:
       every = jnp.concatenate(counts).astype(jnp.float32)
-      cost = sum(f * jnp.max(n) for f, n in zip(flops, counts)) / sum(flops)
+      # Weights as Python floats: m2_small's stacks count ~5e9 FLOPs, more
+      # than an int32 (the counts' dtype) holds.
+      cost = sum(f / sum(flops) * jnp.max(n).astype(jnp.float32)
+                 for f, n in zip(flops, counts))
       step_metrics = {"evaluations_mean": jnp.mean(every),
                       "evaluations_max": jnp.max(every),
                       "msign_cost": jnp.asarray(cost, jnp.float32)}
