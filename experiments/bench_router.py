@@ -22,10 +22,11 @@ main layers of the load summed over the last --window steps (the same
 router seen over more tokens: a batch of N tokens has a noise floor of
 roughly 2.4 sqrt(E / (K N)) from sampling alone). At the end: the tail
 means (--last steps), the validation loss, and the final router's loads on
---eval_batches held-out batches with everything frozen: their summed
-violation (`violation_val`: the balance over a large mixed batch, which is
-what the per-step number of a few-document batch cannot show) and its mean
-per batch. Runs go seed by seed, the
+--eval_batches batches of held-out rows spread over the validation split,
+everything frozen: their summed violation (`violation_val`: the balance
+over a large mixed batch, which the per-step number of an 8-row batch
+cannot show), its mean per batch, and the summed violation of the split's
+first batches (consecutive rows of a few files) for contrast. Runs go seed by seed, the
 JSON is rewritten after each, and no run starts after --max_seconds;
 --resume keeps the runs --out already holds.
 
@@ -142,14 +143,36 @@ def _train_step(mcfg, tcfg):
   return jax.jit(step, donate_argnums=0)
 
 
+def spread_rows(dcfg, tokenizer, batches: int) -> list[dict]:
+  """`batches` batches of validation rows taken evenly across the whole
+  split. The split is packed in key order, so its consecutive rows are
+  chunks of a few files; rows spread over it are many files."""
+  rows = []
+  for batch in make_dataset(dcfg, tokenizer, "validation"):
+    batch = {k: np.asarray(v) for k, v in batch.items()}
+    rows += [{k: v[r] for k, v in batch.items()}
+             for r in range(len(batch["row_ids"])) if batch["row_ids"][r] >= 0]
+  n = batches * dcfg.batch_size
+  if len(rows) < n:
+    raise UserError(f"--eval_batches={batches}: the validation split has "
+                    f"{len(rows)} rows, fewer than {n}")
+  picked = [rows[i] for i in np.linspace(0, len(rows) - 1, n).astype(int)]
+  return [{k: np.stack([r[k] for r in picked[i:i + dcfg.batch_size]])
+           for k in picked[0]}
+          for i in range(0, n, dcfg.batch_size)]
+
+
 def held_out_loads(mcfg, tcfg, state, dcfg, tokenizer, batches: int) -> dict:
   """The final router on held-out text, parameters and biases frozen.
 
   A training step's batch holds a few documents, so experts that specialise
   in their content are overloaded on that step even when the router is
   balanced over the data; the per-step violation mixes that with imbalance.
-  Here the loads of --eval_batches validation batches are summed (what a
-  large, mixed global batch sees) and also read batch by batch.
+  Here: the loads of --eval_batches batches of validation rows spread over
+  the whole split, summed (`violation_val`: what a large, mixed global
+  batch sees) and batch by batch, and for contrast the summed loads of the
+  split's first --eval_batches batches (`violation_val_consecutive`:
+  consecutive rows, a few files).
   """
 
   def loads(state, batch):
@@ -158,18 +181,20 @@ def held_out_loads(mcfg, tcfg, state, dcfg, tokenizer, batches: int) -> dict:
     return out.routing.load_E  # the gradients are dead code: never computed
 
   loads = jax.jit(loads)
-  per_batch = []
-  for i, batch in enumerate(make_dataset(dcfg, tokenizer,
-                                         "validation")):
+  per_batch = [np.asarray(loads(state, b), np.float64)
+               for b in spread_rows(dcfg, tokenizer, batches)]
+  first = []
+  for i, batch in enumerate(make_dataset(dcfg, tokenizer, "validation")):
     if i >= batches:
       break
     batch = {k: np.asarray(v) for k, v in batch.items()}
-    per_batch.append(np.asarray(loads(state, batch), np.float64))
+    first.append(np.asarray(loads(state, batch), np.float64))
   summed = violation(sum(per_batch))
   return {"violation_val": float(summed.mean()),
           "violation_val_worst": float(summed.max()),
           "violation_val_batch": float(np.mean([violation(l).mean()
                                                 for l in per_batch])),
+          "violation_val_consecutive": float(violation(sum(first)).mean()),
           "val_tokens": int(sum(l[0].sum() for l in per_batch)
                             // mcfg.num_experts_per_tok)}
 

@@ -40,3 +40,22 @@ def test_parse_arm():
     bench_router.parse_arm("bias_update=sign", config_lib.TINY)
   with pytest.raises(config_lib.ConfigError, match="bias_update"):
     bench_router.parse_arm("x bias_update=signum", config_lib.TINY)
+
+
+def test_held_out_rows_are_spread_over_the_validation_split():
+  # The split is packed in key order: its first rows are chunks of a few
+  # files. The held-out loads read rows from across all of it instead.
+  from m2jax.data import DataConfig, make_dataset, make_tokenizer
+  dcfg = DataConfig(source="stdlib", seq_len=64, batch_size=4,
+                    max_documents=60)
+  tokenizer = make_tokenizer(dcfg)
+  total = sum(int((np.asarray(b["row_ids"]) >= 0).sum())
+              for b in make_dataset(dcfg, tokenizer, "validation"))
+  batches = bench_router.spread_rows(dcfg, tokenizer, 3)
+  assert len(batches) == 3
+  assert all(b["tokens"].shape == (4, 64) for b in batches)
+  ids = np.concatenate([b["row_ids"] for b in batches])
+  assert ids.min() == 0 and ids.max() == total - 1
+  assert len(set(ids.tolist())) == 12  # 12 distinct rows, not 3 x the first
+  with pytest.raises(UserError, match="eval_batches"):
+    bench_router.spread_rows(dcfg, tokenizer, total)
