@@ -146,9 +146,7 @@ def main(argv):
           f"{s['save_call_s'] * 1e3:8.1f} ms  cost {s['amortised_cost']:+.2%}"
           f"  ({s['checkpoint_bytes'] / 2**20:,.1f} MiB a checkpoint)")
   if FLAGS.output:
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    cli.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Runs on a CPU at tiny size:
 """
 
 import json
-import os
 import time
 
 from absl import flags, logging
@@ -157,9 +156,7 @@ def main(argv):
       print(f"  T={r['seq_len']:>7}: {r['tokens_per_sec']:>10,.0f} tok/s"
             f"{mfu}{mem}  peak {r['peak_memory_gib']:.1f} GiB")
   if FLAGS.output:
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    cli.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,7 @@ run_flags.define(all_to_all="ragged", moe_capacity_factor=1.5)
 
 
 def _write(result):
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)
+  cli.write_json(FLAGS.out, result)
 
 
 def _runs():

@@ -156,9 +156,7 @@ def main(argv):
 
   def save():  # after every measurement: a run cut by a timeout keeps them
     if FLAGS.output:
-      os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-      with open(FLAGS.output, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
+      cli.write_json(FLAGS.output, result)
 
   for backend in FLAGS.backends:
     mcfg = _model(backend)

@@ -214,9 +214,7 @@ def main(argv):
     result["profile_table"] = path
     print(f"\nDevice time per step by category ({path}):\n\n{table}")
   if FLAGS.output:
-    os.makedirs(os.path.dirname(FLAGS.output) or ".", exist_ok=True)
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    cli.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":
