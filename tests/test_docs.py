@@ -186,6 +186,15 @@ COMMANDS = {
         "tests/test_gnmr.py runs the stress harness at a short length"),
     "python -m experiments.bench_train --preset=m2_small": Skip(
         GPU + "m2_small training throughput"),
+    "python -m experiments.bench_train --profile_dir=DIR --dense_baseline": Skip(
+        GPU + "profiles m2_small's step; tests/test_train_profile.py checks "
+        "the categories on a real CPU trace"),
+    "python -m experiments.bench_long_rows": Skip(
+        GPU + "rows of 32K-131K tokens of m2_small; tests/test_long_rows.py "
+        "checks the step holds no [T, T] array"),
+    "python -m experiments.bench_checkpoint": Skip(
+        GPU + "times 15 GiB m2_small checkpoints; tests/test_checkpoint.py "
+        "checks the asynchronous save"),
     "python -m experiments.bench_prefix_tree": Skip(
         GPU + "times the Hopper tree-attention kernels"),
     "python -m experiments.bench_scaling": Skip(GPU + "several of them"),
