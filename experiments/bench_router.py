@@ -9,7 +9,8 @@ Each (seed, arm) run trains a fresh model (init from the seed) on the same
 batches of --data with the jitted pieces of m2jax.train.step (gradients,
 then apply_gradients: the optimizer and the expert-bias update), one arm
 per --arm "NAME FIELD=VALUE ..." of ModelConfig overrides on top of
---preset and --override. The default arms are the old default (sign rule
+--preset and --override; "train.FIELD=VALUE" overrides the TrainConfig
+(e.g. train.router_lr_scale=0.1). The default arms are the old default (sign rule
 at 1e-3), the sign rule at 1e-2, the proportional rule at 1e-2 (m2_small's
 default now), and softmax gating with the sequence-wise aux loss at 0.01
 and no bias (m2jax.sweep's "gating" baseline).
@@ -52,7 +53,7 @@ from m2jax.data import (DataConfig, check_splits, make_dataset, make_iterator,
 from m2jax.errors import UserError
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
-from m2jax.train.config import OPTIMIZERS
+from m2jax.train.config import OPTIMIZERS, TrainConfig
 from m2jax.train.loop import evaluate
 
 FLAGS = flags.FLAGS
@@ -114,11 +115,19 @@ def gather_gmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
 
 
 def parse_arm(text: str, base) -> tuple[str, object]:
-  """(name, ModelConfig) of one --arm."""
+  """(name, ModelConfig) of one --arm (its train.FIELD=VALUE left out)."""
   name, *overrides = text.split()
   if not name or "=" in name:
     raise UserError(f"--arm {text!r}: expected 'NAME FIELD=VALUE ...'")
-  return name, config_lib.apply_overrides(base, overrides)
+  return name, config_lib.apply_overrides(
+      base, [o for o in overrides if not o.startswith("train.")])
+
+
+def arm_train_config(text: str, tcfg: TrainConfig) -> TrainConfig:
+  """`tcfg` with the arm's train.FIELD=VALUE overrides (TrainConfig)."""
+  return config_lib.apply_overrides(
+      tcfg, [o[len("train."):] for o in text.split()[1:]
+             if o.startswith("train.")])
 
 
 def violation(load_LxE):
@@ -204,12 +213,11 @@ def _bias_std(expert_bias) -> float:
   return float(np.mean([b.std() for b in leaves])) if leaves else 0.0
 
 
-def one_run(name, mcfg, dcfg, tokenizer, seed: int) -> dict:
+def one_run(name, mcfg, dcfg, tokenizer, seed: int, arm: str = "") -> dict:
   """Train one arm from one seed; its row of the JSON."""
-  tcfg = grid.train_config(mcfg, steps=FLAGS.steps, seed=seed,
-                           optimizer=FLAGS.optimizer, lr=FLAGS.lr,
-                           adam_lr=FLAGS.adam_lr,
-                           warmup_steps=FLAGS.warmup_steps)
+  tcfg = arm_train_config(arm, grid.train_config(
+      mcfg, steps=FLAGS.steps, seed=seed, optimizer=FLAGS.optimizer,
+      lr=FLAGS.lr, adam_lr=FLAGS.adam_lr, warmup_steps=FLAGS.warmup_steps))
   state = state_lib.create_state(mcfg, tcfg)
   train = _train_step(mcfg, tcfg)
   _, eval_fn = step_lib.jit_steps(mcfg, tcfg)
@@ -296,6 +304,8 @@ def main(argv):
   base = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override).replace(settings=settings)
   arms = [parse_arm(text, base) for text in FLAGS.arm]
+  for text in FLAGS.arm:  # a bad train.FIELD fails now, not after a run
+    arm_train_config(text, TrainConfig())
   if len({name for name, _ in arms}) != len(arms):
     raise UserError(f"--arm: names must differ, got {FLAGS.arm}")
   dcfg = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
@@ -316,8 +326,10 @@ def main(argv):
   configs = dict(arms)
   plan = [{"arm": name, "seed": seed} for seed in (int(s) for s in FLAGS.seeds)
           for name, _ in arms if (name, seed) not in done]
+  texts = dict(zip((name for name, _ in arms), FLAGS.arm))
   grid.run_all(plan, lambda r: one_run(r["arm"], configs[r["arm"]], dcfg,
-                                       tokenizer, r["seed"]),
+                                       tokenizer, r["seed"],
+                                       texts[r["arm"]]),
                result, out=FLAGS.out, summarize=summarize, start=start,
                max_seconds=FLAGS.max_seconds)
   print(f"\n{result['device']}: {FLAGS.preset} {FLAGS.override} "

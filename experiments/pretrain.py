@@ -70,6 +70,10 @@ flags.DEFINE_float("matrix_learning_rate", None,
                    "Peak learning rate of the hidden matrices under muon, "
                    "muonsphere and sso (SSO's eta, ~0.02; default: "
                    "--learning_rate).")
+flags.DEFINE_float("router_lr_scale", 1.0,
+                   "Multiplies the router gates' learning rate (the loss-free "
+                   "bias update must keep up with them; "
+                   "benchmarks/notes/router.md).")
 flags.DEFINE_integer("warmup_steps", 20, "Linear warmup steps.")
 flags.DEFINE_float("decay_fraction", TrainConfig.decay_fraction,
                    "Final fraction of steps that decay (default: M2's).")
@@ -110,7 +114,7 @@ TRAIN_FLAGS = {
     "steps": "steps", "seed": "seed", "optimizer": "optimizer",
     "learning_rate": "learning_rate",
     "matrix_learning_rate": "matrix_learning_rate",
-    "warmup_steps": "warmup_steps",
+    "router_lr_scale": "router_lr_scale", "warmup_steps": "warmup_steps",
     "decay_fraction": "decay_fraction", "weight_decay": "weight_decay",
     "grad_clip": "grad_clip", "mtp_depth": "mtp_depth",
     "mtp_weight": "mtp_weight", "mtp_weight_final": "mtp_weight_final",

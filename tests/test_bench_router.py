@@ -59,3 +59,13 @@ def test_held_out_rows_are_spread_over_the_validation_split():
   assert len(set(ids.tolist())) == 12  # 12 distinct rows, not 3 x the first
   with pytest.raises(UserError, match="eval_batches"):
     bench_router.spread_rows(dcfg, tokenizer, total)
+
+
+def test_an_arm_may_override_the_train_config():
+  from m2jax.train.config import TrainConfig
+  text = "slow_router bias_update=sign train.router_lr_scale=0.1"
+  name, cfg = bench_router.parse_arm(text, config_lib.TINY)
+  assert (name, cfg.bias_update) == ("slow_router", "sign")
+  tcfg = bench_router.arm_train_config(text, TrainConfig())
+  assert tcfg.router_lr_scale == 0.1
+  assert bench_router.arm_train_config("plain", TrainConfig()) == TrainConfig()

@@ -246,3 +246,25 @@ def test_optimizer_state_gets_shardings(opt, mtp_only):
   want = jax.eval_shape(lambda: state_lib.init_state(
       mcfg, tcfg, model.init(mcfg, jax.random.key(0)))).opt_state
   assert jax.tree.structure(got) == jax.tree.structure(want)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_router_lr_scale_scales_only_the_router_gates(opt):
+  """TrainConfig.router_lr_scale multiplies the router gates' updates (main
+  and MTP routers) and leaves every other parameter's update as it was."""
+  axes, params = _model()
+  grads = _random_grads()
+  base = _updates(opt, grads)
+  tx = optim.make_optimizer(_tcfg(opt, router_lr_scale=0.1), axes)
+  scaled, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  routers = 0
+  for path, u in jax.tree_util.tree_leaves_with_path(scaled):
+    want = functools.reduce(lambda t, k: t[k.key], path, base)
+    if _leaf(path) == "router":
+      routers += 1
+      want = 0.1 * np.asarray(want)
+    np.testing.assert_allclose(u, want, rtol=1e-6, atol=1e-9,
+                               err_msg=jax.tree_util.keystr(path))
+  assert routers == 2  # the main layer's and the MTP block's
+  with pytest.raises(ValueError, match="router_lr_scale"):
+    _tcfg(opt, router_lr_scale=0.0)

@@ -71,6 +71,11 @@ class TrainConfig:
   # kinds) under muon, muonsphere and sso, on the same WSD schedule; the
   # AdamW kinds keep `learning_rate`. None: `learning_rate` for both.
   matrix_learning_rate: float | None = None
+  # Multiplies the router gates' updates (optim.PARAM_RULES' "router gate"
+  # kind, main and MTP routers): their learning rate is this x theirs.
+  # m2_small's routers outrun the loss-free bias update at lr 3e-3
+  # (benchmarks/notes/router.md); 1.0 leaves the optimizer as it was.
+  router_lr_scale: float = 1.0
   # SSO and MuonSphere (m2jax.train.sso; SPEC §4 for the algorithm).
   sso_radius_scale: float = 1.0      # c in R = c sqrt(d_out / d_in)
   sso_momentum: float = 0.9          # Nesterov momentum
@@ -134,6 +139,8 @@ class TrainConfig:
       _fail("decay_fraction", "must be in [0, 1]", self.decay_fraction)
     if self.grad_clip <= 0:
       _fail("grad_clip", "must be positive", self.grad_clip)
+    if not self.router_lr_scale > 0:
+      _fail("router_lr_scale", "must be positive", self.router_lr_scale)
     if (self.matrix_learning_rate is not None
         and self.matrix_learning_rate <= 0):
       _fail("matrix_learning_rate", "must be positive or None",

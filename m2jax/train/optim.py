@@ -78,6 +78,7 @@ from m2jax.train.config import SPHERE_OPTIMIZERS, TrainConfig
 MUON, ADAMW = "muon", "adamw"
 # The label of the Muon kinds under muonsphere and sso.
 SPHERE = "sphere"
+ROUTER_GATE = "router gate"  # the kind TrainConfig.router_lr_scale scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ PARAM_RULES: dict[tuple[str, ...], ParamRule] = {
     ("mlp", "embed"): _muon("dense FFN w2", ("mlp",), ("embed",)),
     ("mtp_concat", "embed"): _muon("MTP projection", ("mtp_concat",),
                                    ("embed",)),
-    ("embed", "router"): ParamRule("router gate", ADAMW, decay=False),
+    ("embed", "router"): ParamRule(ROUTER_GATE, ADAMW, decay=False),
     ("norm",): ParamRule("norm gain", ADAMW, decay=False),
     ("q_heads", "head_dim"): ParamRule("q_norm gain", ADAMW, decay=False),
     ("kv_heads", "head_dim"): ParamRule("k_norm gain", ADAMW, decay=False),
@@ -236,6 +237,19 @@ def _scale_by_width(dimension_numbers) -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
+def _scale_kind(param_axes, kind: str,
+                factor: float) -> optax.GradientTransformation:
+  """Multiplies the updates of the parameters of one kind by `factor`."""
+  kinds = _rule_map(param_axes, lambda _, rule: rule.kind)
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, k: u * factor if k == kind else u,
+                        updates, kinds(updates)), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+
+
 def is_frozen(config: TrainConfig, name: str) -> bool:
   """Whether the top-level variable `name` stays fixed under `config`.
 
@@ -289,6 +303,10 @@ def make_optimizer(config: TrainConfig,
     # one decay mask for both optimizers.
     update = optax.chain(direction, decay, optax.scale_by_learning_rate(lr))
   opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), update)
+  if config.router_lr_scale != 1.0:
+    # Stateless, and only when asked: the default keeps the state's layout.
+    opt = optax.chain(opt, _scale_kind(param_axes, ROUTER_GATE,
+                                       config.router_lr_scale))
   if config.gnmr is not None:
     # Per-unit recovery sees the raw gradients, before the global clip.
     opt = optax.chain(gnmr.gnmr(config.gnmr, param_axes, MUON_BATCH_AXES),
