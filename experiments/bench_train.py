@@ -62,7 +62,8 @@ flags.DEFINE_integer("profile_steps", 3, "Steps traced (after timing).")
 flags.DEFINE_multi_string(
     "variant", [], "Also time the first backend with other Settings: "
     "'NAME FIELD=VALUE ...' (attention=cudnn loss_chunk=0 is the step before "
-    "the mask-free attention and the chunked loss); repeatable.")
+    "the mask-free attention and the chunked loss; loss_impl=recompute the "
+    "chunked loss before its fused gradient); repeatable.")
 
 
 def _variants() -> list[tuple[str, dict]]:

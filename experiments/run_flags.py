@@ -84,6 +84,11 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
       "loss_chunk", settings_lib.DEFAULT_LOSS_CHUNK, "Positions per row "
       "for which lm_head and cross-entropy run at once (never [B, T, V] "
       "float32 logits); 0 = whole rows.", **d)
+  flags.DEFINE_enum(
+      "loss_impl", settings_lib.DEFAULT_LOSS_IMPL, settings_lib.LOSS_IMPLS,
+      "How the chunked loss gets its gradient: 'fused' in the forward's "
+      "chunk loop, 'recompute' by recomputing each chunk's logits in the "
+      "backward.", **d)
   flags.DEFINE_bool("ragged_decomposer", True,
                     "With expert parallelism over ragged_all_to_all, add "
                     f"{RAGGED_DECOMPOSER_FLAG} to XLA_FLAGS (6.2x faster "
@@ -155,7 +160,8 @@ def settings_from_flags(
       capacity_factor=f.moe_capacity_factor,
       exchange_chunks=f.exchange_chunks,
       remat=f.remat,
-      loss_chunk=f.loss_chunk)
+      loss_chunk=f.loss_chunk,
+      loss_impl=f.loss_impl)
 
 
 def extend_xla_flags(mesh_spec: str, all_to_all: str,

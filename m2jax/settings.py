@@ -27,7 +27,8 @@ Where each field is read:
   all_to_all, capacity_factor, exchange_chunks
                    m2jax/model/moe.py -> m2jax/model/expert_parallel.py
   remat            m2jax/model/block.py
-  loss_chunk       m2jax/train/step.py -> m2jax/train/losses.py
+  loss_chunk, loss_impl
+                   m2jax/train/step.py -> m2jax/train/losses.py
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ ALL_TO_ALLS = ("auto", "ragged", "dense", "slabs")
 # Positions per lm_head / cross-entropy chunk of the train and eval steps:
 # [B, 1024, V] float32 logits at a time (128 MiB a row at V = 32768).
 DEFAULT_LOSS_CHUNK = 1024
+# How the chunked loss gets its gradient (m2jax/train/losses.py): "fused"
+# computes it in the forward's chunk loop, "recompute" recomputes each
+# chunk's logits in the backward.
+LOSS_IMPLS = ("fused", "recompute")
+DEFAULT_LOSS_IMPL = "fused"
 
 
 class SettingsError(UserError, ValueError):
@@ -102,6 +108,15 @@ class Settings:
     this many positions of every row at a time, never holding [B, T, V]
     float32 logits (m2jax.train.losses.chunked_cross_entropy); 0 applies
     the head to the whole row (the model's logits).
+  loss_impl: how the chunked loss (loss_chunk > 0) is differentiated:
+    "fused" (m2jax.train.losses.fused_cross_entropy) computes each chunk's
+    gradient of features and lm_head in the forward's chunk loop (one
+    lm_head matmul forward, two for the gradient; d features and a float32
+    d lm_head are held until the backward); "recompute"
+    (chunked_cross_entropy) keeps only the features and recomputes every
+    chunk's logits in the backward (one matmul more). Same loss and
+    gradients up to rounding; the fused one rounds d logits to the compute
+    dtype before its matmuls.
   """
   attention: str = "auto"
   tree_attention: TreeAttentionConfig = TreeAttentionConfig()
@@ -114,6 +129,7 @@ class Settings:
   exchange_chunks: int = 1
   remat: bool = False
   loss_chunk: int = DEFAULT_LOSS_CHUNK
+  loss_impl: str = DEFAULT_LOSS_IMPL
 
   def __post_init__(self):
     if self.attention not in ATTENTIONS:
@@ -162,6 +178,8 @@ class Settings:
         or self.loss_chunk < 0):
       _fail("loss_chunk", "must be an integer >= 0 (0: whole rows)",
             self.loss_chunk)
+    if self.loss_impl not in LOSS_IMPLS:
+      _fail("loss_impl", f"must be one of {LOSS_IMPLS}", self.loss_impl)
 
   def replace(self, **changes) -> "Settings":
     """A copy with `changes` applied (validated again).

@@ -1,5 +1,6 @@
 """Long rows: attention over packed documents without a mask array, the
-chunked lm_head + cross-entropy, and a train step with no [T, T] array."""
+chunked lm_head + cross-entropy (fused and recomputing), and a train step
+with no [T, T] array."""
 
 import functools
 import re
@@ -117,31 +118,57 @@ def test_blockwise_attention_follows_a_prefix_tree():
   assert not np.allclose(plain[0, 8:13], got[0][0, 8:13], atol=1e-3)
 
 
-def test_chunked_cross_entropy_equals_whole_rows():
-  """CE, log-sum-exp and argmax, and the gradients of features and lm_head
-  (through a CE + z-loss objective), chunk by chunk (7 positions, which do
-  not divide 40) equal the whole-row logits."""
-  V, D = 50, 16
-  f = jnp.asarray(_R.normal(size=(B, T, D)), jnp.float32)
+def _assert_scaled(got, want, tol):
+  """|got - want| <= tol * max|want|, leaf by leaf (bf16-sized errors on
+  small gradients)."""
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.max(np.abs(g - w)) <= tol * np.max(np.abs(w)), (g, w)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5),
+                                        (jnp.bfloat16, 2e-2)])
+def test_chunked_losses_equal_whole_rows(dtype, tol):
+  """Both chunked losses, 7 positions a chunk (which do not divide 40), on
+  padded and partly masked rows with float32 or bfloat16 features: a
+  weighted CE + z-loss objective, its gradients of features, lm_head and
+  the CE weight, and the metrics (CE, log-sum-exp, argmax) equal those of
+  the whole-row logits; the fused loss's undifferentiated values too."""
+  V, D, Z = 50, 16, 0.05
+  f = jnp.asarray(_R.normal(size=(B, T, D)), dtype)
   w = jnp.asarray(_R.normal(size=(D, V)) / 4, jnp.float32)
   tgt = jnp.asarray(_R.integers(0, V, (B, T)), jnp.int32)
-  mask = SEG != 0
+  mask = (SEG != 0) & jnp.asarray(_R.random((B, T)) < 0.8)
 
-  def whole(f, w):
-    logits = jnp.einsum("btd,dv->btv", f, w)
-    ce, lse = losses.cross_entropy(logits, tgt, mask)
-    return ce, lse, jnp.argmax(logits, -1)
+  def objective(ce, lse, pred, a):
+    return a * jnp.sum(ce) + Z * jnp.sum(lse ** 2), (ce, lse, pred)
 
-  chunked = lambda f, w: losses.chunked_cross_entropy(f, w, tgt, mask,
-                                                      chunk=7)
-  objective = lambda fn: lambda f, w: (
-      jnp.sum(fn(f, w)[0]) + 1e-2 * jnp.sum(fn(f, w)[1] ** 2))
-  run = jax.jit(lambda f, w: [(fn(f, w), jax.grad(objective(fn), (0, 1))(
-      f, w)) for fn in (chunked, whole)])
-  (got, got_grads), (want, want_grads) = run(f, w)
-  _assert_close(got[:2], want[:2])
-  np.testing.assert_array_equal(got[2], want[2])
-  _assert_close(got_grads, want_grads)
+  def whole(f, w, a):
+    logits = jnp.einsum("btd,dv->btv", f, w.astype(f.dtype),
+                        preferred_element_type=jnp.float32)
+    return objective(*losses.cross_entropy(logits, tgt, mask),
+                     jnp.argmax(logits, -1), a)
+
+  def recompute(f, w, a):
+    return objective(*losses.chunked_cross_entropy(f, w, tgt, mask, chunk=7),
+                     a)
+
+  def fused(f, w, a):
+    loss, *metrics = losses.fused_cross_entropy(f, w, tgt, mask, ce_weight=a,
+                                                z_weight=Z, chunk=7)
+    return loss, tuple(metrics)
+
+  run = jax.jit(lambda f, w, a: (
+      [jax.value_and_grad(fn, (0, 1, 2), has_aux=True)(f, w, a)
+       for fn in (whole, recompute, fused)], fused(f, w, a)))
+  results, plain = run(f, w, jnp.float32(0.7))
+  (want, want_grads) = results[0]
+  for (loss, metrics), grads in results[1:] + [(plain, want_grads)]:
+    _assert_close([loss, *metrics[:2]], [want[0], *want[1][:2]],
+                  tol=max(tol / 10, 2e-5))
+    np.testing.assert_array_equal(metrics[2], want[1][2])
+    assert grads[0].dtype == dtype
+    _assert_scaled(grads, want_grads, tol)
 
 
 TINY = config_lib.TINY.replace(attention_pattern=("sliding", "full"),
@@ -179,22 +206,26 @@ def test_total_loss_from_head_inputs_equals_the_logits_path():
   f = [x.astype(jnp.float32) for x in heads.head_inputs]
   w = heads.lm_head
 
-  @functools.partial(jax.jit, static_argnums=2)
-  def loss(f, w, chunk):
+  # Fine-tuning's mask drops every third target besides the segments'.
+  batch["loss_mask"] = jnp.asarray(np.arange(48)[None] % 3 != 0)
+
+  @functools.partial(jax.jit, static_argnums=(2, 3))
+  def loss(f, w, chunk, impl):
     if chunk:
       out = heads._replace(head_inputs=tuple(f), lm_head=w)
     else:
       out = heads._replace(logits=f[0] @ w, mtp_logits=(f[1] @ w,))
     return losses.total_loss(out, batch, mtp_weight=0.3, aux_coef=0.0,
-                             z_coef=1e-3, chunk=chunk or 1)
+                             z_coef=1e-3, chunk=chunk or 1, impl=impl)
 
   grad = jax.value_and_grad(loss, (0, 1), has_aux=True)
-  (l0, m0), g0 = grad(f, w, 0)
-  (l1, m1), g1 = grad(f, w, 5)
-  assert set(m0) == set(m1) and {"mtp/acceptance_1", "z_loss"} <= set(m0)
-  _assert_close([l1] + [m1[k] for k in sorted(m0)],
-                [l0] + [m0[k] for k in sorted(m0)])
-  _assert_close(jax.tree.leaves(g1), jax.tree.leaves(g0))
+  (l0, m0), g0 = grad(f, w, 0, "fused")
+  for impl in ("fused", "recompute"):
+    (l1, m1), g1 = grad(f, w, 5, impl)
+    assert set(m0) == set(m1) and {"mtp/acceptance_1", "z_loss"} <= set(m0)
+    _assert_close([l1] + [m1[k] for k in sorted(m0)],
+                  [l0] + [m0[k] for k in sorted(m0)])
+    _assert_close(jax.tree.leaves(g1), jax.tree.leaves(g0))
 
 
 def _big_arrays(hlo: str, length: int, vocab: int):
@@ -210,10 +241,20 @@ def _big_arrays(hlo: str, length: int, vocab: int):
   return found
 
 
+def _lm_head_matmuls(hlo: str, vocab: int) -> int:
+  """dot_generals in `hlo` with the vocabulary as a dimension of an operand
+  or of the result."""
+  return sum(1 for line in hlo.splitlines() if "stablehlo.dot_general" in line
+             and re.search(rf"[<x]{vocab}x", line))
+
+
 def test_long_row_train_step_has_no_t_by_t_array():
   """The lowered train step of a row of 4096 tokens (a sliding and a full
-  layer, MTP) holds no [T, T] array and no [T, V] logits; the dense-mask
-  attention and whole-row logits, asked for, do (the check sees them)."""
+  layer, MTP) holds no [T, T] array and no [T, V] logits, and its loss
+  multiplies by lm_head three times per head (fused: the forward's logits,
+  d features and d lm_head; no recomputed logits). The dense-mask attention
+  and whole-row logits, asked for, hold those arrays, and the recomputing
+  loss has a fourth matmul (the checks see them)."""
   length = 4096
   batch = _batch(length)
 
@@ -224,7 +265,12 @@ def test_long_row_train_step_has_no_t_by_t_array():
         s, b, model_config=mcfg, train_config=tcfg))
     return fn.lower(state, batch).as_text()
 
-  assert not _big_arrays(hlo(TINY, 1), length, TINY.vocab_size)
+  fused = hlo(TINY, 1)
+  assert not _big_arrays(fused, length, TINY.vocab_size)
+  assert _lm_head_matmuls(fused, TINY.vocab_size) == 3 * 2
+  recompute = TINY.replace(num_layers=1,
+                           settings=Settings(loss_impl="recompute"))
+  assert _lm_head_matmuls(hlo(recompute, 0), TINY.vocab_size) == 4
   dense = TINY.replace(num_layers=1, attention_pattern=("full",),
                        settings=Settings(attention="xla", loss_chunk=0))
   found = _big_arrays(hlo(dense, 0), length, TINY.vocab_size)

@@ -26,6 +26,7 @@ CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=0)
     ({"capacity_factor": -1.0}, "capacity_factor"),
     ({"exchange_chunks": 0}, "exchange_chunks"),
     ({"loss_chunk": -1}, "loss_chunk"),
+    ({"loss_impl": "remat"}, "loss_impl"),
     ({"interpret": "yes"}, "interpret"),
     ({"tree_attention": "mosaic"}, "tree_attention"),
     ({"tree_attention": TreeAttentionConfig(interpret=True)},
@@ -120,7 +121,7 @@ def test_flags_build_the_settings():
   fv(["prog", "--moe_capacity_factor=1.5", "--all_to_all=slabs",
       "--exchange_chunks=2", "--gmm_backend=mosaic", "--gmm_tiles=128.64.4",
       "--tree_attention=mosaic:128.64.64.3", "--attention=blockwise", "--remat",
-      "--loss_chunk=256"])
+      "--loss_chunk=256", "--loss_impl=recompute"])
   s = run_flags.settings_from_flags(fv)
   assert (s.capacity_factor, s.all_to_all, s.exchange_chunks) == (
       1.5, "slabs", 2)
@@ -129,6 +130,7 @@ def test_flags_build_the_settings():
   assert (s.tree_attention.backend, s.tree_attention.mosaic_stages) == (
       "mosaic", 3)
   assert s.attention == "blockwise" and s.remat and s.loss_chunk == 256
+  assert s.loss_impl == "recompute"
   for bad, field in (("--gmm_tiles=1.2", "--gmm_tiles"),
                      ("--tree_attention=cuda:1.2", "--tree_attention"),
                      ("--gmm_backend=cuda", "Settings.gmm_backend")):

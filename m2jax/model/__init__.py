@@ -85,7 +85,7 @@ def forward(config: ModelConfig, variables, tokens_BxT, *, segment_ids=None,
   own weights (the trunk, embedding, final norm and lm_head get none).
   `logits=False`: no [B, T, V] logits; the output carries the head's inputs
   and weight instead (ModelOutput.head_inputs, .lm_head), for a loss
-  computed chunk by chunk (m2jax.train.losses.chunked_cross_entropy).
+  computed chunk by chunk (m2jax.train.losses.fused_cross_entropy).
   """
   _check_mtp(config, variables, mtp_depth)
   return _module(config).apply(variables, tokens_BxT, segment_ids, positions,

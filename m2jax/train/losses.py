@@ -20,14 +20,22 @@ marked in it (`target_mask`).
 
 Long rows: the [B, T, V] float32 logits of a 131,072-token row are 16 GiB
 at M2-small's vocabulary, and their gradient as much again. When the model
-returns its head's inputs instead (`model.forward(..., logits=False)`),
-`chunked_cross_entropy` computes logits, log-sum-exp and the target logit
-`chunk` positions at a time under a rematerialised map, so neither pass
-holds more than [B, chunk, V]; `total_loss` takes either form and gives the
-same numbers.
+returns its head's inputs instead (`model.forward(..., logits=False)`), the
+heads run `chunk` positions at a time and neither pass holds more than
+[B, chunk, V], in one of two ways (Settings.loss_impl):
+  "fused"      fused_cross_entropy: the forward's chunk loop also computes
+               each chunk's gradient (softmax - onehot, times the token's
+               weight) and multiplies it into d features and d lm_head; the
+               backward only scales them. One lm_head matmul forward, two
+               for the gradient, none recomputed.
+  "recompute"  chunked_cross_entropy under jax.checkpoint: the backward
+               recomputes every chunk's logits (one more lm_head matmul).
+`total_loss` takes logits or head inputs and gives the same numbers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +43,7 @@ import jax.numpy as jnp
 from m2jax.data.packing import next_token_targets
 from m2jax.model import ModelOutput, shift_left
 from m2jax.model.layers import constrain
-from m2jax.settings import DEFAULT_LOSS_CHUNK
+from m2jax.settings import DEFAULT_LOSS_CHUNK, DEFAULT_LOSS_IMPL
 
 
 def target_mask(batch, shift: int = 1):
@@ -59,6 +67,38 @@ def cross_entropy(logits_BxTxV, targets_BxT, mask_BxT):
   return (lse - picked) * m, lse * m
 
 
+def _chunked(x_BxT, c: int):
+  """x [B, T, ...] as [N, B, c, ...] chunks of c positions (zero-padded)."""
+  B, T = x_BxT.shape[:2]
+  n = -(-T // c)
+  pad = [(0, 0), (0, n * c - T)] + [(0, 0)] * (x_BxT.ndim - 2)
+  x = jnp.pad(x_BxT, pad)
+  return x.reshape((B, n, c) + x_BxT.shape[2:]).swapaxes(0, 1)
+
+
+def _unchunked(x_NxBxC, T: int):
+  """The inverse of _chunked: [N, B, c, ...] back to [B, T, ...]."""
+  N, B, c = x_NxBxC.shape[:3]
+  x = x_NxBxC.swapaxes(0, 1).reshape((B, N * c) + x_NxBxC.shape[3:])
+  return x[:, :T]
+
+
+def _chunk_logits(f_BxCxD, w_DxV):
+  """A chunk's float32 logits; w already in the compute dtype (the model's
+  head: compute-dtype operands, float32 accumulation)."""
+  logits = jnp.einsum("bcd,dv->bcv", f_BxCxD, w_DxV,
+                      preferred_element_type=jnp.float32)
+  return constrain(logits, ("act_batch", "act_length", "act_vocab"))
+
+
+def _chunk_stats(logits_BxCxV, tgt_BxC):
+  """(log-sum-exp, target logit, argmax int32) of a chunk's logits."""
+  lse = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+  picked = jnp.take_along_axis(logits_BxCxV, tgt_BxC[..., None], -1)[..., 0]
+  pred = jnp.argmax(jax.lax.stop_gradient(logits_BxCxV), -1)
+  return lse, picked, pred.astype(jnp.int32)
+
+
 def chunked_cross_entropy(features_BxTxD, lm_head_DxV, targets_BxT, mask_BxT,
                           *, chunk: int = DEFAULT_LOSS_CHUNK):
   """cross_entropy of logits = features @ lm_head without [B, T, V].
@@ -69,51 +109,152 @@ def chunked_cross_entropy(features_BxTxD, lm_head_DxV, targets_BxT, mask_BxT,
   recomputes each chunk's logits (jax.checkpoint inside lax.map), so its
   largest array is also [B, chunk, V]. Returns (ce, lse, argmax), [B, T]
   each: ce and lse float32, zero where masked; argmax int32 (the predicted
-  token, for metrics; no gradient).
+  token, for metrics; no gradient). Settings.loss_impl="recompute";
+  fused_cross_entropy computes the same without the recomputation.
   """
-  B, T, D = features_BxTxD.shape
+  T = features_BxTxD.shape[1]
   c = max(1, min(chunk, T))
-  n = -(-T // c)
-  pad = ((0, 0), (0, n * c - T))
-  f = jnp.pad(features_BxTxD, pad + ((0, 0),))
-  tgt = jnp.pad(targets_BxT.astype(jnp.int32), pad)
-  f_NxBxCxD = f.reshape(B, n, c, D).swapaxes(0, 1)
-  tgt_NxBxC = tgt.reshape(B, n, c).swapaxes(0, 1)
 
   @jax.checkpoint
   def one(f_BxCxD, tgt_BxC, w_DxV):
-    logits = jnp.einsum("bcd,dv->bcv", f_BxCxD, w_DxV.astype(f_BxCxD.dtype),
-                        preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("act_batch", "act_length", "act_vocab"))
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, tgt_BxC[..., None], -1)[..., 0]
-    pred = jnp.argmax(jax.lax.stop_gradient(logits), -1).astype(jnp.int32)
-    return lse, picked, pred
+    return _chunk_stats(_chunk_logits(f_BxCxD, w_DxV.astype(f_BxCxD.dtype)),
+                        tgt_BxC)
 
-  lse, picked, pred = jax.lax.map(lambda a: one(*a, lm_head_DxV),
-                                  (f_NxBxCxD, tgt_NxBxC))
-  unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * c)[:, :T]
-  lse, picked, pred = unchunk(lse), unchunk(picked), unchunk(pred)
+  lse, picked, pred = jax.lax.map(
+      lambda a: one(*a, lm_head_DxV),
+      (_chunked(features_BxTxD, c),
+       _chunked(targets_BxT.astype(jnp.int32), c)))
+  lse, picked, pred = (_unchunked(x, T) for x in (lse, picked, pred))
   m = mask_BxT.astype(jnp.float32)
   return (lse - picked) * m, lse * m, pred
 
 
-def _head_losses(out: ModelOutput, batch, chunk: int):
-  """[(targets, mask, ce, lse, argmax)] of the main head then each MTP
-  depth, from the logits or, without them, chunk by chunk."""
-  depths = range(1 + len(out.mtp_logits))
-  res = []
-  for k in depths:
+def _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c: int,
+                grads: bool):
+  """The chunk loop of fused_cross_entropy: (loss, ce, lse, argmax) [B, T]
+  (ce and lse unmasked), and with `grads` also (d features [B, T, D] in
+  the features' dtype, d lm_head [D, V] float32) of the loss."""
+  B, T, D = f_BxTxD.shape
+  cdt = f_BxTxD.dtype
+  w = w_DxV.astype(cdt)
+  xs = tuple(_chunked(x, c) for x in (f_BxTxD, tgt_BxT.astype(jnp.int32),
+                                      wce_BxT, wz_BxT))
+
+  def body(dw_DxV, x):
+    f_BxCxD, tgt_BxC, wce_BxC, wz_BxC = x
+    logits = _chunk_logits(f_BxCxD, w)
+    lse, picked, pred = _chunk_stats(logits, tgt_BxC)
+    if not grads:
+      return dw_DxV, (lse, picked, pred)
+    # d/dlogits of wce * (lse - picked) + wz * lse^2.
+    p = jnp.exp(logits - lse[..., None])
+    onehot = jnp.arange(logits.shape[-1]) == tgt_BxC[..., None]
+    dlogits = ((wce_BxC + 2 * wz_BxC * lse)[..., None] * p
+               - jnp.where(onehot, wce_BxC[..., None], 0.0)).astype(cdt)
+    # Compute-dtype operands, float32 accumulation: the head's matmul.
+    dx = jnp.einsum("bcv,dv->bcd", dlogits, w,
+                    preferred_element_type=jnp.float32).astype(cdt)
+    dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", f_BxCxD, dlogits,
+                                 preferred_element_type=jnp.float32)
+    return dw_DxV, (lse, picked, pred, dx)
+
+  dw0 = jnp.zeros(w_DxV.shape, jnp.float32) if grads else None
+  dw, ys = jax.lax.scan(body, dw0, xs)
+  lse, picked, pred = (_unchunked(y, T) for y in ys[:3])
+  ce = lse - picked
+  loss = jnp.sum(wce_BxT * ce + wz_BxT * jnp.square(lse))
+  if not grads:
+    return loss, ce, lse, pred
+  return loss, ce, lse, pred, _unchunked(ys[3], T), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c):
+  return _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c, False)
+
+
+def _fused_fwd(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c):
+  loss, ce, lse, pred, dx, dw = _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT,
+                                            wz_BxT, c, True)
+  return (loss, ce, lse, pred), (dx, dw.astype(w_DxV.dtype), ce, lse)
+
+
+def _fused_bwd(c, res, cts):
+  # Only the loss has a cotangent: fused_cross_entropy returns the per-token
+  # values through stop_gradient, so theirs are always zero.
+  del c
+  dx, dw, ce, lse = res
+  g = cts[0]
+  return ((dx * g).astype(dx.dtype), (dw * g).astype(dw.dtype), None,
+          ce * g, jnp.square(lse) * g)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_cross_entropy(features_BxTxD, lm_head_DxV, targets_BxT, mask_BxT,
+                        *, ce_weight, z_weight=0.0,
+                        chunk: int = DEFAULT_LOSS_CHUNK):
+  """A weighted cross-entropy of logits = features @ lm_head, its gradient
+  computed in the same chunk loop as its value: no [B, T, V], no
+  recomputation.
+
+    loss = sum over the tokens of mask of
+           ce_weight * (lse - logit[target]) + z_weight * lse^2
+
+  (ce_weight = 1 / tokens gives the mean CE; z_weight the z-loss). The
+  forward runs `chunk` positions of every row at a time: logits in float32
+  from compute-dtype operands (lm_head cast to the features' dtype, as the
+  model's head does), their log-sum-exp, target logit and argmax and, when
+  differentiated, d logits = (w_ce + 2 w_z lse) softmax - w_ce onehot,
+  cast to the compute dtype and multiplied into d features (saved in their
+  dtype) and d lm_head (accumulated over the chunks in float32, returned in
+  lm_head's dtype). The backward scales the two by the loss's cotangent.
+  The weights may be traced scalars (a schedule's value) and have exact
+  gradients.
+
+  Returns (loss, ce, lse, argmax): loss a float32 scalar, the only output
+  with a gradient; ce and lse [B, T] float32, zero where masked, and argmax
+  [B, T] int32, under stop_gradient (metrics; a loss built from them would
+  get no gradient, so weight tokens through ce_weight instead). Without
+  differentiation only the forward half runs.
+  """
+  T = features_BxTxD.shape[1]
+  m = mask_BxT.astype(jnp.float32)
+  loss, ce, lse, pred = _fused(features_BxTxD, lm_head_DxV, targets_BxT,
+                               m * ce_weight, m * z_weight,
+                               max(1, min(chunk, T)))
+  ce, lse = jax.lax.stop_gradient((ce * m, lse * m))
+  return loss, ce, lse, pred
+
+
+def _head_losses(out: ModelOutput, batch, chunk: int, fused_weights=None):
+  """[(mask, ce, lse, argmax)] of the main head then each MTP depth, from
+  the logits or, without them, chunk by chunk; and the fused heads' loss.
+
+  `fused_weights` = (ce weight, z weight) of each depth's mean: the heads
+  run fused_cross_entropy and the second result is their weighted sum (the
+  objective's CE and z terms, differentiable); else it is None and ce, lse
+  carry the gradient."""
+  res, fused_loss = [], None
+  for k in range(1 + len(out.mtp_logits)):
     targets, mask = target_mask(batch, k + 1)
-    if out.logits is None:
-      ce, lse, pred = chunked_cross_entropy(out.head_inputs[k], out.lm_head,
-                                            targets, mask, chunk=chunk)
-    else:
+    if out.logits is not None:
       logits = out.logits if k == 0 else out.mtp_logits[k - 1]
       ce, lse = cross_entropy(logits, targets, mask)
       pred = jnp.argmax(logits, -1)
-    res.append((targets, mask, ce, lse, pred))
-  return res
+    elif fused_weights is None:
+      ce, lse, pred = chunked_cross_entropy(out.head_inputs[k], out.lm_head,
+                                            targets, mask, chunk=chunk)
+    else:
+      ce_w, z_w = fused_weights[k]
+      tokens = jnp.maximum(jnp.sum(mask), 1)
+      part, ce, lse, pred = fused_cross_entropy(
+          out.head_inputs[k], out.lm_head, targets, mask,
+          ce_weight=ce_w / tokens, z_weight=z_w / tokens, chunk=chunk)
+      fused_loss = part if fused_loss is None else fused_loss + part
+    res.append((mask, ce, lse, pred))
+  return res, fused_loss
 
 
 def _mean(x, mask):
@@ -134,17 +275,27 @@ def routing_metrics(stats) -> dict:
 
 def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
                z_coef: float, main_weight: float = 1.0,
-               chunk: int = DEFAULT_LOSS_CHUNK):
+               chunk: int = DEFAULT_LOSS_CHUNK,
+               impl: str = DEFAULT_LOSS_IMPL):
   """The training objective and its metrics for one batch.
 
   `main_weight` = 0 trains the MTP modules alone (growth phase); the main CE
   is still reported. `aux_coef` scales the routers' balance loss (module
   docstring for how the main and MTP routers are weighted). `out` has
   logits, or head inputs (model.forward(logits=False)): then the heads run
-  `chunk` positions at a time (chunked_cross_entropy).
+  `chunk` positions at a time, `impl` "fused" (fused_cross_entropy) or
+  "recompute" (chunked_cross_entropy; Settings.loss_impl).
   """
-  heads = _head_losses(out, batch, chunk)
-  _, mask, ce, lse, main_pred = heads[0]
+  fused = None
+  if out.logits is None and impl == "fused":
+    depths = len(out.mtp_logits)
+    fused = [(main_weight, z_coef)] + [
+        (mtp_weight / depths, 0.0) for _ in range(depths)]
+  elif impl not in ("fused", "recompute"):
+    raise ValueError(f"total_loss: impl must be 'fused' or 'recompute' "
+                     f"(got {impl!r})")
+  heads, fused_loss = _head_losses(out, batch, chunk, fused)
+  mask, ce, lse, main_pred = heads[0]
   main_ce = _mean(ce, mask)
   loss = main_weight * main_ce
   # The residual stream's scale where it leaves the blocks (before the
@@ -158,7 +309,7 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
     metrics["z_loss"] = z
 
   mtp_ces = []
-  for k, (_, mask_k, ce_k, _, pred_k) in enumerate(heads[1:], start=1):
+  for k, (mask_k, ce_k, _, pred_k) in enumerate(heads[1:], start=1):
     ce_k = _mean(ce_k, mask_k)
     mtp_ces.append(ce_k)
     metrics[f"mtp/ce_{k}"] = ce_k
@@ -171,6 +322,10 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
     loss = loss + mtp_weight * mtp_ce
     metrics["mtp/ce"] = mtp_ce
     metrics["mtp/weight"] = jnp.asarray(mtp_weight, jnp.float32)
+  if fused_loss is not None:
+    # The same CE and z terms, from the heads' fused gradients (the values
+    # above came through stop_gradient and carry none).
+    loss = fused_loss
 
   if out.routing is not None:
     if aux_coef:

@@ -46,7 +46,7 @@ def _loss_fn(params, expert_bias, batch, step, *, mcfg: ModelConfig,
   loss, metrics = losses.total_loss(
       out, batch, mtp_weight=schedules.mtp_weight(tcfg, step), aux_coef=aux,
       z_coef=tcfg.z_loss_coef, main_weight=0.0 if tcfg.mtp_only else 1.0,
-      chunk=chunk)
+      chunk=chunk, impl=mcfg.settings.loss_impl)
   return loss, (metrics, out)
 
 
