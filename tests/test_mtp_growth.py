@@ -88,9 +88,11 @@ def test_mtp_only_gradient_stops_at_the_frozen_main_model():
   ref = jax.jit(jax.grad(reference))(variables["params"])
   for name in ref:
     if name.startswith("mtp_"):
-      # The trunk is frozen either way: MTP's own gradient is unchanged.
+      # The trunk is frozen either way: MTP's own gradient is unchanged (to
+      # float32 summation order: the train step's fused loss accumulates
+      # d lm_head chunk by chunk; gradients here are ~1e-5).
       jax.tree.map(lambda a, b: np.testing.assert_allclose(
-          a, b, rtol=1e-6, atol=1e-12), grads[name], ref[name])
+          a, b, rtol=1e-5, atol=1e-10), grads[name], ref[name])
     else:
       assert all(not np.any(g) for g in jax.tree.leaves(grads[name])), name
   # Without the stop the MTP loss reaches the trunk, embedding and head.
