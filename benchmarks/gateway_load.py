@@ -35,7 +35,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +44,7 @@ import numpy as np
 import openai
 import requests
 
+from benchmarks import serve_load
 from m2jax.rl import gateway as gw_lib
 from m2jax.rl.pool import Pool
 
@@ -58,12 +58,6 @@ class Sent:
   calls: list = dataclasses.field(default_factory=list)  # (prompt, ids, lps)
   acknowledged: bool = False
   error: str | None = None
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def start_gateway(serve_args: list[str], pool_path: str, port: int,
@@ -222,7 +216,7 @@ def run(serve_args: list[str], workdir: str, *, sessions: int, calls: int,
   out = {"sessions": sessions, "calls_per_session": calls,
          "max_tokens": max_tokens}
 
-  port = free_port()
+  port = serve_load.free_port()
   url = f"http://127.0.0.1:{port}"
   start = time.perf_counter()
   proc = start_gateway(args, pool_path, port, key, start_timeout_s)

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import jax
 
 from benchmarks import timing
+from m2jax.data import DataConfig, check_splits, make_tokenizer
 from m2jax.errors import UserError
 from m2jax.train.checkpoint import write_json
 from m2jax.train.config import TrainConfig
@@ -33,6 +34,13 @@ def train_config(mcfg, *, steps: int, seed: int, optimizer: str, lr: float,
       warmup_steps=(max(1, steps // 20) if warmup_steps is None
                     else warmup_steps),
       mtp_depth=min(1, mcfg.num_mtp_modules))
+
+
+def data(source: str, seq_len: int, batch: int) -> tuple[DataConfig, object]:
+  """The runs' DataConfig (its splits checked) and tokenizer."""
+  dcfg = DataConfig(source=source, seq_len=seq_len, batch_size=batch)
+  check_splits(dcfg)
+  return dcfg, make_tokenizer(dcfg)
 
 
 def previous(path: str, result: dict, same: Iterable[str]) -> dict | None:
@@ -57,7 +65,6 @@ def run_all(plan: Iterable[dict], run: Callable[[dict], dict], result: dict,
   after each. A run out of device memory becomes an error row; any other
   error is raised. No run starts once `max_seconds` have passed since
   `start` (a time.perf_counter value)."""
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   for item in plan:
     elapsed = time.perf_counter() - start
     if elapsed > max_seconds:

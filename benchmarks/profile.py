@@ -55,6 +55,13 @@ def _stats(event) -> dict:
       return {}
 
 
+def _op_row(event) -> dict:
+  stats = _stats(event)
+  return {"name": str(stats.get("hlo_op") or event.name),
+          "start_ns": event.start_ns, "duration_ns": event.duration_ns,
+          "tf_op": str(stats.get("tf_op") or "")}
+
+
 def op_events(path: str) -> dict:
   """Every HLO op execution in xplane `path`: {platform, ops: [{name,
   start_ns, duration_ns, tf_op}], busy_ns, span_ns}.
@@ -64,40 +71,31 @@ def op_events(path: str) -> dict:
   span from the kernels of the stream lines. CPU traces (no GPU plane):
   the host's thunk events, those with an `hlo_op` stat; their threads run
   ops concurrently, so busy is the union of the ops' intervals."""
-  data = ProfileData.from_file(path)
-  gpu_ops, kernels, cpu_ops, kernel_ops = [], [], [], []
+  return _op_events(ProfileData.from_file(path))
+
+
+def _op_events(data) -> dict:
+  gpu_ops, stream_events, cpu_ops = [], [], []
   for plane in data.planes:
     if plane.name.startswith("/device:GPU"):
       for line in plane.lines:
         if line.name == "XLA Ops":
-          for event in line.events:
-            stats = _stats(event)
-            gpu_ops.append({"name": str(stats.get("hlo_op") or event.name),
-                            "start_ns": event.start_ns,
-                            "duration_ns": event.duration_ns,
-                            "tf_op": str(stats.get("tf_op") or "")})
+          gpu_ops.extend(_op_row(event) for event in line.events)
         elif line.name.startswith("Stream"):
-          for e in line.events:
-            kernels.append((e.start_ns, e.start_ns + e.duration_ns))
-            stats = _stats(e)
-            # A step run as CUDA graphs (XLA's command buffers) leaves the
-            # "XLA Ops" line empty; its kernels may still name their op.
-            kernel_ops.append({"name": str(stats.get("hlo_op") or e.name),
-                               "start_ns": e.start_ns,
-                               "duration_ns": e.duration_ns,
-                               "tf_op": str(stats.get("tf_op") or "")})
+          stream_events.extend(line.events)
     elif plane.name == "/host:CPU":
       for line in plane.lines:
         for event in line.events:
-          stats = _stats(event)
-          if "hlo_op" in stats:
-            cpu_ops.append({"name": str(stats["hlo_op"]),
-                            "start_ns": event.start_ns,
-                            "duration_ns": event.duration_ns, "tf_op": ""})
+          if "hlo_op" in _stats(event):
+            cpu_ops.append(dict(_op_row(event), tf_op=""))
+  kernels = [(e.start_ns, e.start_ns + e.duration_ns) for e in stream_events]
   platform = "gpu" if gpu_ops or kernels else "cpu"
-  gpu_ops = gpu_ops or kernel_ops
-  ops = gpu_ops if platform == "gpu" else cpu_ops
-  if platform == "cpu":
+  if platform == "gpu":
+    # A step run as CUDA graphs (XLA's command buffers) leaves the "XLA
+    # Ops" line empty; its kernels may still name their op.
+    ops = gpu_ops or [_op_row(e) for e in stream_events]
+  else:
+    ops = cpu_ops
     kernels = [(o["start_ns"], o["start_ns"] + o["duration_ns"]) for o in ops]
   span = (max(e for _, e in kernels) - min(s for s, _ in kernels)
           if kernels else 0)
@@ -142,7 +140,7 @@ def summarize(path: str, top: int = 25) -> dict:
                             event.start_ns + event.duration_ns))
   cpu = not intervals and not any(sums.values())
   if cpu:  # a CPU trace: its ops are the host's thunk events
-    for e in op_events(path)["ops"]:
+    for e in _op_events(data)["ops"]:
       sums["ops"][e["name"]][0] += e["duration_ns"]
       sums["ops"][e["name"]][1] += 1
       intervals.append((e["start_ns"], e["start_ns"] + e["duration_ns"]))

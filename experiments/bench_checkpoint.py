@@ -146,7 +146,7 @@ def main(argv):
           f"{s['save_call_s'] * 1e3:8.1f} ms  cost {s['amortised_cost']:+.2%}"
           f"  ({s['checkpoint_bytes'] / 2**20:,.1f} MiB a checkpoint)")
   if FLAGS.output:
-    cli.write_json(FLAGS.output, result)
+    ckpt_lib.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":

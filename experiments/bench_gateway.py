@@ -10,9 +10,7 @@ pool's verdicts.
       --out=benchmarks/results/gateway_h100.json
 """
 
-import json
 import logging
-import os
 
 from absl import flags
 import jax
@@ -20,6 +18,7 @@ import jax
 from benchmarks import gateway_load
 from benchmarks import timing
 from experiments import cli
+from m2jax.train import checkpoint
 
 _PRESET = flags.DEFINE_string("preset", "tiny", "Model preset the gateway "
                               "serves (random weights: the load, not the "
@@ -73,9 +72,7 @@ def main(argv):
   print(f"kill: {out['kill'].get('killed_after')}")
   print(f"ok: {out['ok']}  ({jax.devices()[0].device_kind})", flush=True)
   if _OUT.value:
-    os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-    with open(_OUT.value, "w", encoding="utf-8") as f:
-      json.dump(out, f, indent=1)
+    checkpoint.write_json(_OUT.value, out)
 
 
 if __name__ == "__main__":

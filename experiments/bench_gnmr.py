@@ -9,7 +9,6 @@ the budget held; writes it all to --out.
   python -m experiments.bench_gnmr --out=benchmarks/results/gnmr_stress_cpu.json
 """
 
-import os
 
 from absl import flags
 
@@ -101,7 +100,6 @@ def main(argv):
   out = dict(timing.run_header(), model=config_to_dict(mcfg),
              train=config_to_dict(off), gnmr=config_to_dict(gcfg),
              data=config_to_dict(dcfg), **result)
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   checkpoint.write_json(_OUT.value, out)
   print("wrote", _OUT.value)
 

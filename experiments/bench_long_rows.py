@@ -37,6 +37,7 @@ from benchmarks import timing
 from experiments import cli, run_flags
 from m2jax import config as config_lib
 from m2jax import model, params
+from m2jax.train import checkpoint
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -156,7 +157,7 @@ def main(argv):
       print(f"  T={r['seq_len']:>7}: {r['tokens_per_sec']:>10,.0f} tok/s"
             f"{mfu}{mem}  peak {r['peak_memory_gib']:.1f} GiB")
   if FLAGS.output:
-    cli.write_json(FLAGS.output, result)
+    checkpoint.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":

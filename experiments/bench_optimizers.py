@@ -62,7 +62,7 @@ import numpy as np
 from benchmarks import grid
 from experiments import cli, run_flags
 from m2jax import config as config_lib
-from m2jax.data import DataConfig, check_splits, make_iterator, make_tokenizer
+from m2jax.data import make_iterator
 from m2jax.errors import UserError
 from m2jax.train import sso
 from m2jax.train import state as state_lib
@@ -166,7 +166,8 @@ def one_run(mcfg, dcfg, tokenizer, optimizer: str, seed: int,
     t = time.perf_counter()
     state, metrics = jax.block_until_ready(train(state, batch))
     seconds = time.perf_counter() - t
-    metrics = jax.device_get(metrics)
+    # One transfer for the step's metrics and the SSO solve's counts.
+    metrics, solve = jax.device_get((metrics, sso.metrics(state.opt_state)))
     curves["step"].append(i + 1)
     curves["loss"].append(float(metrics["loss"]))
     curves["ce"].append(float(metrics["ce"]))
@@ -174,7 +175,6 @@ def one_run(mcfg, dcfg, tokenizer, optimizer: str, seed: int,
         float(metrics.get("router/load_max_over_mean", np.nan)) - 1.0)
     curves["hidden_rms"].append(float(metrics["act/hidden_rms"]))
     curves["step_s"].append(seconds)
-    solve = jax.device_get(sso.metrics(state.opt_state))
     for k in SSO_CURVES:
       curves[k].append(float(solve.get("sso/" + k, np.nan)))
     if not np.isfinite(curves["loss"][-1]):
@@ -282,10 +282,7 @@ def main(argv):
   lrs = _lrs()
   mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override).replace(settings=settings)
-  dcfg = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
-                    batch_size=FLAGS.batch)
-  check_splits(dcfg)
-  tokenizer = make_tokenizer(dcfg)
+  dcfg, tokenizer = grid.data(FLAGS.data, FLAGS.seq_len, FLAGS.batch)
   result = {"device": jax.devices()[0].device_kind, "preset": FLAGS.preset,
             "overrides": FLAGS.override, "batch": FLAGS.batch,
             "seq_len": FLAGS.seq_len, "steps": FLAGS.steps,

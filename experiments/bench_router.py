@@ -48,8 +48,7 @@ from benchmarks import grid
 from experiments import cli, run_flags
 from kernels import gmm_ref
 from m2jax import config as config_lib
-from m2jax.data import (DataConfig, check_splits, make_dataset, make_iterator,
-                        make_tokenizer)
+from m2jax.data import make_dataset, make_iterator
 from m2jax.errors import UserError
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -308,15 +307,13 @@ def main(argv):
     arm_train_config(text, TrainConfig())
   if len({name for name, _ in arms}) != len(arms):
     raise UserError(f"--arm: names must differ, got {FLAGS.arm}")
-  dcfg = DataConfig(source=FLAGS.data, seq_len=FLAGS.seq_len,
-                    batch_size=FLAGS.batch)
-  check_splits(dcfg)
-  tokenizer = make_tokenizer(dcfg)
+  dcfg, tokenizer = grid.data(FLAGS.data, FLAGS.seq_len, FLAGS.batch)
+  texts = dict(zip((name for name, _ in arms), FLAGS.arm))
   result = {"device": jax.devices()[0].device_kind, "preset": FLAGS.preset,
             "overrides": FLAGS.override, "optimizer": FLAGS.optimizer,
             "lr": FLAGS.lr, "batch": FLAGS.batch, "seq_len": FLAGS.seq_len,
             "steps": FLAGS.steps, "window": FLAGS.window,
-            "arms": {name: text for (name, _), text in zip(arms, FLAGS.arm)},
+            "arms": dict(texts),
             "runs": []}
   old = grid.previous(FLAGS.out, result, SAME) if FLAGS.resume else None
   if old:
@@ -326,7 +323,6 @@ def main(argv):
   configs = dict(arms)
   plan = [{"arm": name, "seed": seed} for seed in (int(s) for s in FLAGS.seeds)
           for name, _ in arms if (name, seed) not in done]
-  texts = dict(zip((name for name, _ in arms), FLAGS.arm))
   grid.run_all(plan, lambda r: one_run(r["arm"], configs[r["arm"]], dcfg,
                                        tokenizer, r["seed"],
                                        texts[r["arm"]]),

@@ -45,6 +45,7 @@ from m2jax import params as params_lib
 from m2jax.data import single_document_batch
 from m2jax import settings as settings_lib
 from m2jax.settings import Settings
+from m2jax.train import checkpoint
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.train.config import TrainConfig
@@ -76,7 +77,7 @@ run_flags.define(all_to_all="ragged", moe_capacity_factor=1.5)
 
 
 def _write(result):
-  cli.write_json(FLAGS.out, result)
+  checkpoint.write_json(FLAGS.out, result)
 
 
 def _runs():

@@ -33,6 +33,7 @@ from m2jax import params
 from m2jax.data import DataConfig, single_document_batch
 from m2jax.eval import tasks as tasks_lib
 from m2jax.settings import Settings
+from m2jax.train import checkpoint
 from m2jax.train import multi
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -156,7 +157,7 @@ def main(argv):
 
   def save():  # after every measurement: a run cut by a timeout keeps them
     if FLAGS.output:
-      cli.write_json(FLAGS.output, result)
+      checkpoint.write_json(FLAGS.output, result)
 
   for backend in FLAGS.backends:
     mcfg = _model(backend)

@@ -37,7 +37,7 @@ from experiments import cli
 from m2jax import config as config_lib
 from m2jax import model, params
 from m2jax.data import single_document_batch
-from m2jax.errors import UserError
+from m2jax.train import checkpoint
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
 from m2jax.settings import Settings
@@ -66,19 +66,13 @@ flags.DEFINE_multi_string(
     "chunked loss before its fused gradient); repeatable.")
 
 
-def _variants() -> list[tuple[str, dict]]:
-  """[(name, Settings changes)] of --variant."""
+def _variants() -> list[tuple[str, list[str]]]:
+  """[(name, Settings FIELD=VALUE overrides)] of --variant, checked now."""
   out = []
   for text in FLAGS.variant:
     name, *pairs = text.split()
-    changes = {}
-    for pair in pairs:
-      field, sep, value = pair.partition("=")
-      if not sep:
-        raise UserError(f"--variant {text!r}: expected FIELD=VALUE, got "
-                        f"{pair!r}")
-      changes[field] = int(value) if value.lstrip("-").isdigit() else value
-    out.append((name, changes))
+    config_lib.apply_overrides(Settings(), pairs)
+    out.append((name, pairs))
   return out
 
 
@@ -92,13 +86,13 @@ def _dense_matmul_tflops(reps=20) -> float:
   return params.matmul_flops(n, n, n) / seconds / 1e12
 
 
-def _model_config(backend: str, dense: bool = False, changes=None):
+def _model_config(backend: str, dense: bool = False, overrides=()):
   mcfg = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override)
   if dense:
     mcfg = config_lib.dense_counterpart(mcfg)
-  return mcfg.replace(settings=Settings(gmm_backend=backend).replace(
-      **(changes or {})))
+  return mcfg.replace(settings=config_lib.apply_overrides(
+      Settings(gmm_backend=backend), list(overrides)))
 
 
 def _output_stem() -> str:
@@ -108,8 +102,8 @@ def _output_stem() -> str:
 
 
 def bench(backend: str, dense: bool = False, variant=None) -> dict:
-  name, changes = variant or ("", {})
-  mcfg = _model_config(backend, dense, changes)
+  name, overrides = variant or ("", [])
+  mcfg = _model_config(backend, dense, overrides)
   label = f"dense-{backend}" if dense else backend
   label += f"-{name}" if name else ""
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
@@ -215,7 +209,7 @@ def main(argv):
     result["profile_table"] = path
     print(f"\nDevice time per step by category ({path}):\n\n{table}")
   if FLAGS.output:
-    cli.write_json(FLAGS.output, result)
+    checkpoint.write_json(FLAGS.output, result)
 
 
 if __name__ == "__main__":

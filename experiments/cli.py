@@ -23,8 +23,6 @@ docstring and a pointer to --helpfull, so the one line that says what was
 wrong scrolls away under the usage examples. --help still prints those.
 """
 
-import json
-import os
 import signal
 import sys
 from typing import NoReturn
@@ -81,10 +79,3 @@ def run(main) -> None:
       sys.exit(getattr(e, "exit_status", 128 + signal.SIGINT))
 
   app.run(main_reporting_user_errors, flags_parser=_parse_flags)
-
-
-def write_json(path: str, result) -> None:
-  """A script's result as indented JSON at `path`, its folder made."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=2)

@@ -27,7 +27,6 @@ kv_positions.
   out_BxTxNxH = blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
                                     segment_ids_BxT, positions_BxT,
                                     window=None)
-  blockwise_attention_reference(...)   the same arguments, dense [T, S] mask.
 """
 
 from __future__ import annotations
@@ -59,39 +58,6 @@ def visible(q_idx_T, k_idx_S, seg_q_BxT, seg_k_BxS, pos_q_BxT, pos_k_BxS,
       local = local | (pos_k_BxS[:, None, :] < num_sink_tokens)
     mask = mask & local
   return mask
-
-
-def _defaults(segment_ids, positions, kv_segment_ids, kv_positions):
-  kv_segment_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
-  kv_positions = positions if kv_positions is None else kv_positions
-  return kv_segment_ids, kv_positions
-
-
-def blockwise_attention_reference(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH,
-                                  segment_ids_BxT, positions_BxT, *,
-                                  kv_segment_ids_BxS=None,
-                                  kv_positions_BxS=None, subtree_end_BxS=None,
-                                  window=None, num_sink_tokens=0, q_offset=0,
-                                  kv_offset=0, scale=None):
-  """Dense [B, N, T, S] float32 reference; queries that see no key get 0."""
-  B, T, N, H = q_BxTxNxH.shape
-  S, K = k_BxSxKxH.shape[1:3]
-  scale = H ** -0.5 if scale is None else scale
-  seg_k, pos_k = _defaults(segment_ids_BxT, positions_BxT,
-                           kv_segment_ids_BxS, kv_positions_BxS)
-  mask = visible(q_offset + jnp.arange(T), kv_offset + jnp.arange(S),
-                 segment_ids_BxT, seg_k, positions_BxT, pos_k,
-                 subtree_end_BxS, window=window,
-                 num_sink_tokens=num_sink_tokens)[:, None, None]
-  q = q_BxTxNxH.reshape(B, T, K, N // K, H)
-  s = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH,
-                 preferred_element_type=jnp.float32) * scale
-  s = jnp.where(mask, s, _NEG)
-  p = jnp.exp(s - s.max(-1, keepdims=True)) * mask
-  p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-  out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_BxSxKxH.dtype), v_BxSxKxH,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(B, T, N, H).astype(q_BxTxNxH.dtype)
 
 
 # ----------------------------------------------------------------- blocks ---
@@ -244,29 +210,23 @@ def _attention(q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset,
                         kv_offset, scale, window, sinks, bq, bk)[0]
 
 
-def _setup(seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, window,
-           sinks, bq, bk):
+def _attention_fwd(q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset,
+                   kv_offset, scale, window, sinks, bq, bk):
   row = _Row(seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, window,
              sinks, bq, bk)
   lo, hi = _key_block_ranges(seg_q, seg_k, q_offset, kv_offset, bq, bk)
-  return row, lo, hi
-
-
-def _attention_fwd(q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset,
-                   kv_offset, scale, window, sinks, bq, bk):
-  row, lo, hi = _setup(seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset,
-                       window, sinks, bq, bk)
   out, lse = _forward(q, k, v, row, lo, hi, scale)
+  # The key-block ranges are saved ([T / bq] each), not searched for again.
   res = (q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, out,
-         lse)
+         lse, lo, hi)
   return out, res
 
 
 def _attention_bwd(scale, window, sinks, bq, bk, res, do):
-  q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, out, lse = (
-      res)
-  row, lo, hi = _setup(seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset,
-                       window, sinks, bq, bk)
+  (q, k, v, seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, out, lse,
+   lo, hi) = res
+  row = _Row(seg_q, seg_k, pos_q, pos_k, se_k, q_offset, kv_offset, window,
+             sinks, bq, bk)
   dq, dk, dv = _backward(q, k, v, row, lo, hi, scale, out, lse, do)
   return dq, dk, dv, None, None, None, None, None, None, None
 
@@ -310,8 +270,8 @@ def blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
   if N % K:
     raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
   scale = float(H ** -0.5 if scale is None else scale)
-  seg_k, pos_k = _defaults(segment_ids_BxT, positions_BxT,
-                           kv_segment_ids_BxS, kv_positions_BxS)
+  seg_k = segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS
+  pos_k = positions_BxT if kv_positions_BxS is None else kv_positions_BxS
   bq, bk = min(block_q, T), min(block_k, S)
   Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
   q = _pad(q_BxTxNxH, Tp, 0)

@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from m2jax import model
+from m2jax.model.context_parallel import SEQUENCE_AXIS
 from m2jax.config import ModelConfig
 from m2jax.errors import UserError
 
@@ -64,8 +65,8 @@ T = TypeVar("T")
 AXES = ("data", "fsdp", "sequence", "expert", "tensor")
 # Axes the batch (and every token-indexed activation) is split over.
 BATCH_AXES = ("data", "fsdp", "expert")
-# The axis every activation's length dimension is split over.
-SEQUENCE_AXIS = "sequence"
+# The axis every activation's length dimension is split over: SEQUENCE_AXIS
+# (m2jax.model.context_parallel).
 
 # Logical name -> mesh axes. Names are those of m2jax.model.layers.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (

@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels import blockwise_attention as blockwise_lib
-from kernels.blockwise_attention import blockwise_attention
 from kernels.paged_attention import paged_attention
 from kernels.tree_attention import (TreeAttentionConfig, chain_subtree_end,
                                     tree_attention)
@@ -56,6 +55,7 @@ from m2jax.config import ModelConfig
 from m2jax.model import context_parallel, paged
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
                                 dtype_of, param_init)
+from m2jax.settings import ATTENTIONS
 
 _NEG_INF = -1e30
 
@@ -69,19 +69,10 @@ def attention_mask(segment_ids_BxT, positions_BxT, *, window: int | None,
   window unless pos_j < num_sink_tokens. With `subtree_end_BxT` the causal
   part is the tree's: j <= i < subtree_end[j].
   """
-  T = segment_ids_BxT.shape[1]
-  idx = jnp.arange(T)
-  mask = (idx[None, :, None] >= idx[None, None, :])
-  if subtree_end_BxT is not None:
-    mask = mask & (idx[None, :, None] < subtree_end_BxT[:, None, :])
-  mask = mask & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :])
-  if window is not None:
-    dist = positions_BxT[:, :, None] - positions_BxT[:, None, :]
-    local = dist < window
-    if num_sink_tokens:
-      local = local | (positions_BxT[:, None, :] < num_sink_tokens)
-    mask = mask & local
-  return mask
+  idx = jnp.arange(segment_ids_BxT.shape[1])
+  return blockwise_lib.visible(idx, idx, segment_ids_BxT, segment_ids_BxT,
+                               positions_BxT, positions_BxT, subtree_end_BxT,
+                               window=window, num_sink_tokens=num_sink_tokens)
 
 
 def dot_product_attention_xla(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS):
@@ -107,7 +98,7 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # kernel applies): [B, N, T, T] float32 logits of 12 heads are 200 MB a row
 # at 2048; beyond it a row runs "blockwise".
 DENSE_MAX_LEN = 2048
-IMPLS = ("auto", "xla", "cudnn", "tree", "blockwise")
+IMPLS = ATTENTIONS
 
 
 def _half(dtype) -> bool:
@@ -116,25 +107,29 @@ def _half(dtype) -> bool:
 
 def attention_impl(impl: str, dtype, backend: str, *,
                    window: int | None = None, length: int = 0,
-                   tree: bool = False) -> str:
+                   tree: bool = False, square: bool = True) -> str:
   """The implementation that runs for `settings.attention` = `impl` on a
   layer with `window`, a row of `length` tokens (and a prefix tree when
   `tree`); see the module docstring. An explicit choice is kept, except
-  that a windowed layer never runs "tree" ("blockwise" instead)."""
+  that "tree" runs only on a full layer over a whole row (`square`; a
+  slice of a longer row, or a windowed layer, gets "blockwise")."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-  if tree and window is None:
-    return "tree"
   gpu_half = backend == "gpu" and _half(dtype)
-  if impl == "auto":
+  if tree and window is None:
+    chosen = "tree"
+  elif impl == "auto":
     if window is None and gpu_half:
-      return "tree"
-    if length > DENSE_MAX_LEN:
-      return "blockwise"
-    return "cudnn" if gpu_half else "xla"
-  if impl == "tree" and window is not None:
+      chosen = "tree"
+    elif length > DENSE_MAX_LEN:
+      chosen = "blockwise"
+    else:
+      chosen = _dense_impl(impl, dtype, backend)
+  else:
+    chosen = impl
+  if chosen == "tree" and (window is not None or not square):
     return "blockwise"
-  return impl
+  return chosen
 
 
 def _dense_impl(impl: str, dtype, backend: str) -> str:
@@ -193,32 +188,25 @@ def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
             or not (isinstance(kv_offset, int) and kv_offset == 0))
   impl = attention_impl(impl, q_BxTxNxH.dtype, jax.default_backend(),
                         window=window, length=max(T, S),
-                        tree=subtree_end_BxS is not None)
-  if impl == "tree" and sliced:
-    impl = "blockwise"
+                        tree=subtree_end_BxS is not None, square=not sliced)
   if impl == "tree":
     subtree_end = (chain_subtree_end(segment_ids_BxT)
                    if subtree_end_BxS is None else subtree_end_BxS)
     return _tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, subtree_end,
                            segment_ids_BxT, tree_config)
   if impl == "blockwise":
-    return blockwise_attention(
+    return blockwise_lib.blockwise_attention(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, positions_BxT,
         kv_segment_ids_BxS=kv_segment_ids_BxS,
         kv_positions_BxS=kv_positions_BxS, subtree_end_BxS=subtree_end_BxS,
         window=window, num_sink_tokens=num_sink_tokens, q_offset=q_offset,
         kv_offset=kv_offset)
-  if sliced:  # the global-index mask of the blockwise kernel, dense
-    mask = blockwise_lib.visible(
-        q_offset + jnp.arange(T), kv_offset + jnp.arange(S), segment_ids_BxT,
-        segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS,
-        positions_BxT,
-        positions_BxT if kv_positions_BxS is None else kv_positions_BxS,
-        subtree_end_BxS, window=window, num_sink_tokens=num_sink_tokens)
-  else:
-    mask = attention_mask(segment_ids_BxT, positions_BxT, window=window,
-                          num_sink_tokens=num_sink_tokens,
-                          subtree_end_BxT=subtree_end_BxS)
+  mask = blockwise_lib.visible(  # the dense [B, T, S] mask
+      q_offset + jnp.arange(T), kv_offset + jnp.arange(S), segment_ids_BxT,
+      segment_ids_BxT if kv_segment_ids_BxS is None else kv_segment_ids_BxS,
+      positions_BxT,
+      positions_BxT if kv_positions_BxS is None else kv_positions_BxS,
+      subtree_end_BxS, window=window, num_sink_tokens=num_sink_tokens)
   return dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
                                impl=impl)
 

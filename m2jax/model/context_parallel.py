@@ -17,12 +17,10 @@ The backward pass of the all-gather is a reduce-scatter of dK and dV, which
 autodiff derives. Routing statistics stay global: they are computed
 outside the shard_map, on arrays XLA partitions.
 
-Every device computes a [T/n, T] block of logits, so the dense mask and
-the XLA reference materialise [T/n, T] per head (the per-shard attention is
-`m2jax.model.attention.shard_attention`; a flash kernel that takes
-separate query and key segment ids and positions drops that). Causal rows
-give later shards more unmasked work; the dense path computes every block
-whole, so shards are balanced.
+The per-shard attention is `m2jax.model.attention.shard_attention`: the
+blockwise flash kernel (no [T/n, T] array) past DENSE_MAX_LEN tokens, the
+dense mask below. Causal rows give later shards more unmasked work, which
+the blockwise kernel skips and the dense path computes anyway.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from m2jax.errors import UserError
 
@@ -79,29 +76,6 @@ def check_length(length: int) -> None:
         f"row length T={length} is not divisible by the mesh axis "
         f"{SEQUENCE_AXIS}={n}: context parallelism splits every row into "
         f"{n} equal parts (choose seq_len a multiple of {n})")
-
-
-def shard_mask(q_segment_ids_BxT, kv_segment_ids_BxS, q_positions_BxT,
-               kv_positions_BxS, *, q_offset, window: int | None,
-               num_sink_tokens: int = 0):
-  """Boolean [B, T, S] mask: local query i (row token q_offset + i) may read
-  key j (row token j) of the whole row.
-
-  The rule of m2jax.model.attention.attention_mask on global token indices:
-  causal (q_offset + i >= j), same segment, and with a window
-  pos_i - pos_j < window unless pos_j < num_sink_tokens.
-  """
-  T, S = q_segment_ids_BxT.shape[1], kv_segment_ids_BxS.shape[1]
-  q_idx = q_offset + jnp.arange(T)
-  mask = (q_idx[None, :, None] >= jnp.arange(S)[None, None, :])
-  mask = mask & (q_segment_ids_BxT[:, :, None] == kv_segment_ids_BxS[:, None])
-  if window is not None:
-    dist = q_positions_BxT[:, :, None] - kv_positions_BxS[:, None, :]
-    local = dist < window
-    if num_sink_tokens:
-      local = local | (kv_positions_BxS[:, None, :] < num_sink_tokens)
-    mask = mask & local
-  return mask
 
 
 # (q_local, k_full, v_full, q_segment_ids, kv_segment_ids, q_positions,

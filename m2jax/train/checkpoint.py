@@ -58,7 +58,9 @@ class CheckpointError(RuntimeError):
 
 
 def write_json(path: str, obj) -> None:
-  """Write JSON atomically: a crash leaves the old file or the new one."""
+  """Write JSON atomically: a crash leaves the old file or the new one (its
+  folder made if missing)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=1)

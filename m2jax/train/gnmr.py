@@ -332,10 +332,7 @@ def gnmr(config: GNMRConfig, param_axes,
 
 def find_state(opt_state) -> GNMRState | None:
   """The GNMRState inside an optimizer state, None when GNMR is off."""
-  found = [x for x in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, GNMRState))
-           if isinstance(x, GNMRState)]
-  return found[0] if found else None
+  return optax.tree_utils.tree_get(opt_state, "GNMRState")
 
 
 def metrics(opt_state) -> dict[str, jax.Array]:

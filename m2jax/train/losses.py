@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from m2jax.data.packing import next_token_targets
 from m2jax.model import ModelOutput, shift_left
 from m2jax.model.layers import constrain
-from m2jax.settings import DEFAULT_LOSS_CHUNK, DEFAULT_LOSS_IMPL
+from m2jax.settings import DEFAULT_LOSS_CHUNK, DEFAULT_LOSS_IMPL, LOSS_IMPLS
 
 
 def target_mask(batch, shift: int = 1):
@@ -291,12 +291,14 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
     depths = len(out.mtp_logits)
     fused = [(main_weight, z_coef)] + [
         (mtp_weight / depths, 0.0) for _ in range(depths)]
-  elif impl not in ("fused", "recompute"):
-    raise ValueError(f"total_loss: impl must be 'fused' or 'recompute' "
+  elif impl not in LOSS_IMPLS:
+    raise ValueError(f"total_loss: impl must be one of {LOSS_IMPLS} "
                      f"(got {impl!r})")
   heads, fused_loss = _head_losses(out, batch, chunk, fused)
   mask, ce, lse, main_pred = heads[0]
   main_ce = _mean(ce, mask)
+  # The CE and z terms from the metrics' values; the fused heads' own sum
+  # replaces them below (these came through stop_gradient and carry none).
   loss = main_weight * main_ce
   # The residual stream's scale where it leaves the blocks (before the
   # final norm), over the tokens that count: what spectral control bounds.
@@ -323,8 +325,6 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
     metrics["mtp/ce"] = mtp_ce
     metrics["mtp/weight"] = jnp.asarray(mtp_weight, jnp.float32)
   if fused_loss is not None:
-    # The same CE and z terms, from the heads' fused gradients (the values
-    # above came through stop_gradient and carry none).
     loss = fused_loss
 
   if out.routing is not None:

@@ -339,8 +339,9 @@ def _train(members, mcfg, tcfg, dcfg, update_scale, progress):
                                             tcfg.eval_batches))
       tick, tick_steps = time.perf_counter(), 0
       for step in range(start, tcfg.steps):
-        batches = stack([{k: np.asarray(v) for k, v in next(m.iterator).items()}
-                         for m in members])
+        # Stacked on the host: one transfer per array when the step runs.
+        batches = jax.tree.map(lambda *xs: np.stack(xs),
+                               *(next(m.iterator) for m in members))
         stacked, metrics = train_fn(stacked, batches, scale)
         tick_steps += 1
         done = step + 1

@@ -240,12 +240,11 @@ def _scale_by_width(dimension_numbers) -> optax.GradientTransformation:
 def _scale_kind(param_axes, kind: str,
                 factor: float) -> optax.GradientTransformation:
   """Multiplies the updates of the parameters of one kind by `factor`."""
-  kinds = _rule_map(param_axes, lambda _, rule: rule.kind)
 
   def update(updates, state, params=None):
     del params
     return jax.tree.map(lambda u, k: u * factor if k == kind else u,
-                        updates, kinds(updates)), state
+                        updates, param_kinds(param_axes, updates)), state
 
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 

@@ -183,7 +183,7 @@ _BRACKET, _REFINE, _FALLBACK, _DONE = 0, 1, 2, 3
 _NEAR, _FAR = -1, 1
 
 
-def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
+def solve_lambda(m_hat, v, u, *, bracket_start: float,
                  bracket_doublings: int, bisect_steps: int, tolerance: float,
                  lam_start=None, root_finder: str = "illinois",
                  ns_steps: int = 8, eps: float = 1e-7,
@@ -194,8 +194,7 @@ def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
   m_hat: [..., d_in, d_out] float32 (leading axes index units); v [...,
   d_in, 1], u [..., 1, d_out] (Theta is never stored); lam_start [..., 1,
   1]: where each unit's search starts (the previous step's lambda*: a warm
-  start; None: 0); phi0 = msign(m_hat) if already computed (only without
-  lam_start).
+  start; None: 0).
 
   h is nondecreasing (the derivative of the nuclear norm |m_hat + lam
   Theta|_* along Theta, a convex function of lam), so one sign change
@@ -220,7 +219,7 @@ def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
     the point of smallest |h| once bracketed.
 
   `evaluations` counts each unit's h evaluations, the start's included;
-  the loop runs max(evaluations) - 1 times (phi0 given: max - 1 in all).
+  the loop runs max(evaluations) - 1 times.
   """
   if root_finder not in ROOT_FINDERS:
     raise ValueError(f"root_finder: must be one of {ROOT_FINDERS} (got "
@@ -229,15 +228,9 @@ def solve_lambda(m_hat, v, u, phi0=None, *, bracket_start: float,
                                precision=precision)
   h_of = lambda phi: jnp.sum(v * phi * u, axis=(-2, -1), keepdims=True)
   unit_shape = m_hat.shape[:-2] + (1, 1)
-  if lam_start is None:
-    a = jnp.zeros(unit_shape, jnp.float32)
-    phi_a = evaluate(a) if phi0 is None else phi0
-  else:
-    if phi0 is not None:
-      raise ValueError("solve_lambda: phi0 is msign(m_hat), the start "
-                       "without lam_start")
-    a = jnp.broadcast_to(jnp.asarray(lam_start, jnp.float32), unit_shape)
-    phi_a = evaluate(a)
+  a = (jnp.zeros(unit_shape, jnp.float32) if lam_start is None
+       else jnp.broadcast_to(jnp.asarray(lam_start, jnp.float32), unit_shape))
+  phi_a = evaluate(a)
   h_a = h_of(phi_a)
   toward = -jnp.sign(h_a)           # the root lies this way from a
   step0 = jnp.maximum(WARM_STEP * jnp.abs(a), bracket_start)
@@ -373,14 +366,6 @@ def _vector_shape(shape, dims: MuonDimensionNumbers, side: str):
   return tuple(1 if a in gone else n for a, n in enumerate(shape))
 
 
-def unit_radius(shape, dims: MuonDimensionNumbers, scale: float) -> float:
-  """R = scale sqrt(d_out / d_in) of the units of a parameter of `shape`."""
-  _, reduction, output = _axes(len(shape), dims)
-  d_in = math.prod(shape[a] for a in reduction)
-  d_out = math.prod(shape[a] for a in output)
-  return scale * math.sqrt(d_out / d_in)
-
-
 class SphereState(NamedTuple):
   """Per unit-family state: the step count (which the schedule reads), the
   momentum, each unit's top singular vectors (parameter layout, size 1 on
@@ -411,10 +396,7 @@ def _no_metrics():
 
 def find_state(opt_state) -> SphereState | None:
   """The SphereState inside an optimizer state, None if there is none."""
-  found = [x for x in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, SphereState))
-           if isinstance(x, SphereState)]
-  return found[0] if found else None
+  return optax.tree_utils.tree_get(opt_state, "SphereState")
 
 
 def metrics(opt_state) -> dict[str, jax.Array]:
