@@ -228,7 +228,7 @@ def fused_cross_entropy(features_BxTxD, lm_head_DxV, targets_BxT, mask_BxT,
   return loss, ce, lse, pred
 
 
-def _head_losses(out: ModelOutput, batch, chunk: int, fused_weights=None):
+def head_losses(out: ModelOutput, batch, chunk: int, fused_weights=None):
   """[(mask, ce, lse, argmax)] of the main head then each MTP depth, from
   the logits or, without them, chunk by chunk; and the fused heads' loss.
 
@@ -294,7 +294,7 @@ def total_loss(out: ModelOutput, batch, *, mtp_weight, aux_coef: float,
   elif impl not in LOSS_IMPLS:
     raise ValueError(f"total_loss: impl must be one of {LOSS_IMPLS} "
                      f"(got {impl!r})")
-  heads, fused_loss = _head_losses(out, batch, chunk, fused)
+  heads, fused_loss = head_losses(out, batch, chunk, fused)
   mask, ce, lse, main_pred = heads[0]
   main_ce = _mean(ce, mask)
   # The CE and z terms from the metrics' values; the fused heads' own sum

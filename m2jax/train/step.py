@@ -116,12 +116,7 @@ def eval_step(state: TrainState, batch, *, model_config: ModelConfig,
   out = model.forward(model_config, variables_of(state), batch["tokens"],
                       segment_ids=batch["segment_ids"],
                       positions=batch["positions"], logits=not chunk)
-  targets, mask = losses.target_mask(batch, 1)
-  if chunk:
-    ce = losses.chunked_cross_entropy(out.head_inputs[0], out.lm_head,
-                                      targets, mask, chunk=chunk)[0]
-  else:
-    ce, _ = losses.cross_entropy(out.logits, targets, mask)
+  (mask, ce, _, _), = losses.head_losses(out, batch, chunk)[0]
   del train_config
   return {"nats": jnp.sum(ce), "tokens": jnp.sum(mask),
           "bytes": jnp.sum(batch["num_bytes"])}
