@@ -10,10 +10,12 @@ batches of --data with the jitted pieces of m2jax.train.step (gradients,
 then apply_gradients: the optimizer and the expert-bias update), one arm
 per --arm "NAME FIELD=VALUE ..." of ModelConfig overrides on top of
 --preset and --override; "train.FIELD=VALUE" overrides the TrainConfig
-(e.g. train.router_lr_scale=0.1). The default arms are the old default (sign rule
-at 1e-3), the sign rule at 1e-2, the proportional rule at 1e-2 (m2_small's
-default now), and softmax gating with the sequence-wise aux loss at 0.01
-and no bias (m2jax.sweep's "gating" baseline).
+(e.g. train.router_lr_scale=0.1). The default arms: the paper's sign rule
+at 1e-3 and the proportional rule at 1e-2, both with the router gates at the
+full learning rate (router_lr_scale 1.0, the earlier defaults); the
+proportional rule with the gates at 0.1x (m2_small's default now); and
+softmax gating with the sequence-wise aux loss at 0.01, no bias and the
+full learning rate (m2jax.sweep's "gating" baseline).
 
 Per step it records the next-token loss and the expert-load max violation
 (max load / mean load - 1; 7.0 is the ceiling at top-8 of 64 experts) of
@@ -57,10 +59,14 @@ from m2jax.train.loop import evaluate
 
 FLAGS = flags.FLAGS
 DEFAULT_ARMS = [
-    "sign_1e-3 bias_update=sign bias_update_rate=1e-3",
-    "sign_1e-2 bias_update=sign bias_update_rate=1e-2",
-    "prop_1e-2 bias_update=proportional bias_update_rate=1e-2",
-    "softmax_aux gating=softmax use_routing_bias=false aux_loss_coef=0.01",
+    "sign_1e-3_r1 bias_update=sign bias_update_rate=1e-3 "
+    "train.router_lr_scale=1.0",
+    "prop_1e-2_r1 bias_update=proportional bias_update_rate=1e-2 "
+    "train.router_lr_scale=1.0",
+    "prop_1e-2_r0.1 bias_update=proportional bias_update_rate=1e-2 "
+    "train.router_lr_scale=0.1",
+    "softmax_aux gating=softmax use_routing_bias=false aux_loss_coef=0.01 "
+    "train.router_lr_scale=1.0",
 ]
 flags.DEFINE_string("preset", "m2_small", "Model preset.")
 flags.DEFINE_multi_string("override", [], "ModelConfig FIELD=VALUE (every "

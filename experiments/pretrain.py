@@ -70,7 +70,7 @@ flags.DEFINE_float("matrix_learning_rate", None,
                    "Peak learning rate of the hidden matrices under muon, "
                    "muonsphere and sso (SSO's eta, ~0.02; default: "
                    "--learning_rate).")
-flags.DEFINE_float("router_lr_scale", 1.0,
+flags.DEFINE_float("router_lr_scale", TrainConfig.router_lr_scale,
                    "Multiplies the router gates' learning rate (the loss-free "
                    "bias update must keep up with them; "
                    "benchmarks/notes/router.md).")

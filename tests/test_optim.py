@@ -59,9 +59,10 @@ def _leaf(path) -> str:
 
 
 def _tcfg(opt, **kw):
+  # router_lr_scale 1.0: these tests compare against plain optax.
   kw = {"steps": 10, "optimizer": opt, "learning_rate": 0.5,
         "warmup_steps": 0, "decay_fraction": 0.0, "weight_decay": 0.1,
-        "grad_clip": 1e9, **kw}
+        "grad_clip": 1e9, "router_lr_scale": 1.0, **kw}
   return TrainConfig(**kw)
 
 
