@@ -12,6 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from m2jax.config import ConfigError
+from m2jax.errors import MissingPathError
 from m2jax.train.checkpoint import Checkpointer, CheckpointError, abstract
 
 
@@ -97,3 +99,45 @@ def test_a_failed_background_save_is_raised_not_forgotten(tmp_path,
   with pytest.raises(CheckpointError, match="step 1 .* failed to save"):
     ck.close()
   assert Checkpointer(directory, keep=3).steps() == []
+
+
+def _cut_deletion_short(directory, step):
+  """What a run SIGKILLed while orbax deletes an old step (max_to_keep, in
+  the background after a later save) leaves, as seen on a real kill: its
+  parallel deleter removes every file first, the directories last."""
+  for root, _, files in os.walk(os.path.join(directory, str(step))):
+    for name in files:
+      os.remove(os.path.join(root, name))
+
+
+def test_a_step_whose_deletion_was_cut_short_is_damage_not_another_config(
+    tmp_path):
+  """Orbax reads the missing tree metadata of such a step as None: once
+  taken for an empty tree, it refused every resume of the run as "another
+  train state" (expert_bias, first in order, named as missing)."""
+  directory = str(tmp_path / "checkpoints")
+  state = {"expert_bias": {"b": np.zeros(2)}, "params": {"w": np.arange(4.0)}}
+  ck = Checkpointer(directory, keep=3)
+  for step in (1, 2, 3):
+    ck.save(step, state, {"next": step}, {"step": step})
+  ck.close()
+  _cut_deletion_short(directory, 1)
+  ck = Checkpointer(directory, keep=3)
+  assert ck.steps() == [1, 2, 3]
+  # Another tree is still the user's mistake, named; nothing is moved.
+  other = abstract({**state, "params": {"w": np.arange(5.0)}})
+  with pytest.raises(ConfigError, match=r"params/w has shape \(4,\) in the "
+                     r"checkpoint, \(5,\) in this run"):
+    ck.restore_latest(other)
+  step, restored, data_state, _ = ck.restore_latest(abstract(state))
+  assert (step, data_state) == (3, {"next": 3})
+  jax.tree.map(np.testing.assert_array_equal, restored, state)
+  assert ck.steps() == [1, 2, 3] and ck.quarantined() == []
+  with pytest.raises(MissingPathError, match="step 1 .* is incomplete"):
+    ck.restore(1, abstract(state))
+  # As the newest step it is quarantined and the previous one loads.
+  _cut_deletion_short(directory, 3)
+  assert ck.restore_latest(abstract(state))[0] == 2
+  assert [q.split(".")[0] for q in ck.quarantined()] == ["3"]
+  assert ck.steps() == [1, 2]
+  ck.close()

@@ -24,7 +24,9 @@ second may move anything:
      checks read JSON metadata only, before any state is restored;
   2. a step that matches but fails to load (unreadable, corrupt or partial
      files) is moved to WORKDIR/checkpoints_corrupt/ and the previous step
-     is tried;
+     is tried. A step whose state has no tree metadata is such a step,
+     never another config: a kill while orbax deletes an old step
+     (max_to_keep) leaves one;
   3. if no step loads, or only quarantined steps are left, resuming is
      refused (ResumeError) instead of starting again from step 0.
 """
@@ -270,9 +272,9 @@ class Checkpointer:
     """(state, data_state, meta) of exactly `step`: no fallback to another
     step, nothing moved (for reading a run, e.g. evaluating one step).
 
-    MissingPathError lists the steps there are when `step` is not one;
-    ConfigError names where the saved state's tree differs from
-    `abstract_state`'s.
+    MissingPathError lists the steps there are when `step` is not one (or
+    says that its files are incomplete); ConfigError names where the saved
+    state's tree differs from `abstract_state`'s.
     """
     steps = self.steps()
     if step not in steps:
@@ -310,7 +312,17 @@ class Checkpointer:
 
     Reads the state's tree metadata only; raises if that does not read.
     """
-    saved = ocp.tree.to_flat_dict(self._manager.item_metadata(step)["state"])
+    metadata = self._manager.item_metadata(step)["state"]
+    if metadata is None:
+      # Orbax reads a missing tree-metadata file as None, not as an error:
+      # what a step keeps when its deletion (max_to_keep, in the background
+      # after a later save) or its write is cut short by a kill. Damage,
+      # not another tree (an empty tree would name every leaf as missing).
+      raise MissingPathError(
+          f"checkpoint step {step} in {self.directory} is incomplete: its "
+          "state has no tree metadata (a deletion or save of it was cut "
+          "short)")
+    saved = ocp.tree.to_flat_dict(metadata)
     wanted = ocp.tree.to_flat_dict(abstract_state)
     for path in sorted(set(saved) | set(wanted), key=str):
       name = "/".join(map(str, path))
