@@ -22,7 +22,10 @@ trained on it), checkpoints/, metrics.jsonl and tensorboard/
 the run's value; --steps, --max_rollouts and the cadence flags may change;
 any other flag given that contradicts the run is refused, naming the field.
 A killed run resumes from its newest checkpoint with its pool intact, and
-trains no trajectory twice.
+trains no trajectory twice. A run started from --init=DIR records DIR in
+its config.json; the resume reloads it (the tokenizer, and the weights a
+run killed before its first checkpoint starts over from), or --init=DIR
+names it again, checked against the run's model config.
 
 --agent=whitebox runs a multi-step env (a tool task: --env=multiply) with
 the white-box agent (m2jax/agents/whitebox.py): every sample an episode of
@@ -301,6 +304,7 @@ def main(argv):
   init = None
   if FLAGS.resume:
     configs = _resumed_configs(FLAGS.workdir)
+    init = loop.resumed_init(FLAGS.workdir, configs["model"], FLAGS.init)
   else:
     if FLAGS.init is not None:
       init = sft.load_init(FLAGS.init)

@@ -29,6 +29,9 @@ from m2jax.rl import scheduler as sched_lib
 from m2jax.rl import step as rl_step
 from m2jax.rl import trainer as trainer_lib
 from m2jax.settings import Settings
+from m2jax.train import checkpoint as ckpt_lib
+from m2jax.train import sft
+from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
 CFG = config_lib.TINY.replace(settings=Settings(attention="xla"))
@@ -272,6 +275,53 @@ def test_resume_may_lengthen_the_run_and_change_its_cadence(tmp_path):
   assert _params(tmp_path)[:2] == (2, 2)
   with pytest.raises(config_lib.ConfigError, match="groups_per_step"):
     _run(tmp_path, _run_config(steps=3, groups_per_step=3), resume=True)
+
+
+def _init_run(workdir: str, model_config, seed: int) -> None:
+  """A run directory as experiments.pretrain leaves it (config.json,
+  tokenizer/, a checkpoint at step 4) of a model initialised from `seed`."""
+  meta = {"model": config_lib.config_to_dict(model_config),
+          "train": config_lib.config_to_dict(TRAIN),
+          "data": {}}
+  os.makedirs(workdir)
+  ByteTokenizer().save(os.path.join(workdir, "tokenizer"))
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(meta, f)
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       keep=1)
+  checkpointer.save(4, state_lib.init_state(
+      model_config, TRAIN, model.init(model_config, jax.random.key(seed))),
+                    {}, meta)
+  checkpointer.close()
+
+
+def test_a_resumed_run_reloads_the_init_it_started_from(tmp_path):
+  """A run started from --init records that directory in config.json, and
+  a resume reloads it (the weights a run killed before its first
+  checkpoint starts over from, and the tokenizer); a moved directory or
+  another model's is refused in one line."""
+  init_dir = str(tmp_path / "init")
+  _init_run(init_dir, CFG, seed=7)
+  init = sft.load_init(init_dir)
+  workdir = str(tmp_path / "rl")
+  _run(workdir, _run_config(steps=1), init=init)
+  saved = json.load(open(os.path.join(workdir, loop.CONFIG_FILE)))
+  assert saved[loop.INIT_KEY] == {"init": init_dir, "step": 4}
+  again = loop.resumed_init(workdir, CFG)
+  assert again.origin == init.origin
+  for a, b in zip(jax.tree.leaves(again.variables),
+                  jax.tree.leaves(init.variables)):
+    np.testing.assert_array_equal(a, b)
+  other = str(tmp_path / "other")
+  _init_run(other, CFG.replace(hidden_size=2 * CFG.hidden_size), seed=7)
+  with pytest.raises(config_lib.ConfigError, match="not the one"):
+    loop.resumed_init(workdir, CFG, init_dir=other)
+  os.rename(init_dir, str(tmp_path / "moved"))
+  with pytest.raises(config_lib.ConfigError, match="not a directory any"):
+    loop.resumed_init(workdir, CFG)
+  fresh = str(tmp_path / "fresh")
+  _run(fresh, _run_config(steps=1))
+  assert loop.resumed_init(fresh, CFG) is None
 
 
 def test_loop_on_a_mesh_equals_one_device():

@@ -23,7 +23,9 @@ scheduler and counted (groups_failed), and another is generated.
 
 One run directory holds everything:
 
-  config.json          every config of the run (a resume must match it)
+  config.json          every config of the run (a resume must match it),
+                       and under "init" the origin of the weights it
+                       started from (sft.Init.origin; null: a fresh init)
   warm_start/          the supervised warm start: m2jax.train.sft.finetune
                        on the environment's generated demonstrations, a
                        whole SFT run directory (resumable on its own)
@@ -77,6 +79,7 @@ every `eval_every` steps.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -88,7 +91,7 @@ import numpy as np
 
 from m2jax import model
 from m2jax.agents import whitebox
-from m2jax.config import ModelConfig, config_to_dict
+from m2jax.config import ConfigError, ModelConfig, config_to_dict
 from m2jax.data import ByteTokenizer, chat
 from m2jax.data.chat_data import ChatData
 from m2jax.errors import UserError
@@ -114,6 +117,7 @@ from m2jax.train.metrics import MetricsWriter
 MODES = ("sync", "async")
 AGENTS = ("none", "whitebox", "blackbox")   # none: single-turn envs
 CONFIG_FILE = "config.json"
+INIT_KEY = "init"  # in CONFIG_FILE: the Init.origin the run started from
 POOL_FILE = "pool.sqlite"
 WARM_START_DIR = "warm_start"
 
@@ -304,6 +308,32 @@ def warm_start(model_config: ModelConfig, train_config: TrainConfig, env,
   return state_lib.variables_of(summary["state"])
 
 
+def resumed_init(workdir: str, model_config: ModelConfig,
+                 init_dir: str | None = None) -> sft.Init | None:
+  """The weights and tokenizer a resumed run started from: `init_dir`
+  (--init), else the directory its config.json records (INIT_KEY); None
+  for a run from a fresh or an in-process init. The run continues from its
+  newest checkpoint when it has one; these are what it starts over from
+  when it has none (killed before its first), and its tokenizer always."""
+  with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
+    origin = json.load(f).get(INIT_KEY) or {}
+  saved = origin.get("init")
+  # sft.load_init records an absolute directory; the other origins ("random",
+  # an in-process warm start) have nothing to reload.
+  path = init_dir or (saved if saved and os.path.isabs(saved) else None)
+  if path is None:
+    return None
+  if not os.path.isdir(path):
+    raise ConfigError(f"--resume: {workdir} started from {path}, which is "
+                      "not a directory any more; pass --init=DIR of the same "
+                      "run")
+  init = sft.load_init(path)
+  if init.model_config.replace(settings=model_config.settings) != model_config:
+    raise ConfigError(f"--init={path}: its model config is not the one "
+                      f"{workdir} was trained with")
+  return init
+
+
 # -------------------------------------------------------------------- eval
 
 
@@ -369,8 +399,11 @@ class _Run:
     elif self.ckpt.steps() or os.path.exists(pool_path):
       raise UserError(f"{workdir} holds an RL run: continue it with "
                       "--resume, or use a fresh --workdir")
-    ckpt_lib.write_json(os.path.join(workdir, CONFIG_FILE),
-                        self._saved_configs())
+    # Where the run's weights came from (sft.Init.origin): a resume that
+    # finds no checkpoint of its own starts from the same place again.
+    ckpt_lib.write_json(os.path.join(workdir, CONFIG_FILE), {
+        **self._saved_configs(),
+        INIT_KEY: init.origin if init is not None else None})
     self.tokenizer = init.tokenizer if init is not None else ByteTokenizer()
     self.env = envs.make(run.env, **dict(run.env_fields))
     self.agent = None
