@@ -77,8 +77,8 @@ class TrainConfig:
   # than the loss-free bias update follows: the bias only rotates the
   # overload and the frozen router stays at a max violation of 2.93 on
   # held-out rows; at 0.1 it is 0.19 +- 0.02 with a lower loss (three
-  # seeds, 2,000 steps, benchmarks/notes/router.md). 1.0 gives the plain
-  # optimizer (and its state layout, without the extra chain element).
+  # seeds, 2,000 steps, benchmarks/notes/router.md). 1.0: the plain
+  # optimizer's updates. Stateless: any value keeps the state's layout.
   router_lr_scale: float = 0.1
   # SSO and MuonSphere (m2jax.train.sso; SPEC §4 for the algorithm).
   sso_radius_scale: float = 1.0      # c in R = c sqrt(d_out / d_in)

@@ -301,11 +301,13 @@ def make_optimizer(config: TrainConfig,
     # optax.adamw's own composition, with the direction swapped for Muon:
     # one decay mask for both optimizers.
     update = optax.chain(direction, decay, optax.scale_by_learning_rate(lr))
-  opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), update)
-  if config.router_lr_scale != 1.0:
-    # Stateless, and only when asked: the default keeps the state's layout.
-    opt = optax.chain(opt, _scale_kind(param_axes, ROUTER_GATE,
-                                       config.router_lr_scale))
+  # The router scale last and always: it is stateless (no leaves), so the
+  # state's paths are those of the optimizer without it, whatever the
+  # factor (a run may change router_lr_scale on resume; older checkpoints
+  # load).
+  opt = optax.chain(optax.clip_by_global_norm(config.grad_clip), update,
+                    _scale_kind(param_axes, ROUTER_GATE,
+                                config.router_lr_scale))
   if config.gnmr is not None:
     # Per-unit recovery sees the raw gradients, before the global clip.
     opt = optax.chain(gnmr.gnmr(config.gnmr, param_axes, MUON_BATCH_AXES),
