@@ -135,6 +135,11 @@ flags.DEFINE_float("mtp_weight", rl_step.MTP_WEIGHT, "Weight of the MTP "
                    "term; with --mtp_detach, 0 freezes the MTP modules (no "
                    "co-training: the baseline its acceptance is compared "
                    "against).", lower_bound=0.0)
+flags.DEFINE_bool("mtp_reference", False, "Also score the MTP modules the "
+                  "run started with (frozen) against the current policy on "
+                  "each batch: mtp/ref_accept_prob and mtp/ref_kl, the "
+                  "co-training metrics without co-training on the same "
+                  "policy (one more forward pass a step).")
 # Training.
 flags.DEFINE_float("learning_rate", 1e-3, "RL learning rate.")
 flags.DEFINE_integer("warmup_steps", 5, "RL learning-rate warmup.")
@@ -184,7 +189,8 @@ TRAINER_FLAGS = {"row_len": "row_len", "minibatches": "minibatches",
                  "merge": "merge"}
 RL_FLAGS = {"algo": "algorithm", "kl_coef": "kl_coef", "mtp_loss": "mtp_loss",
             "mtp_topk": "mtp_topk", "mtp_tail": "mtp_tail",
-            "mtp_detach": "mtp_detach", "mtp_weight": "mtp_weight"}
+            "mtp_detach": "mtp_detach", "mtp_weight": "mtp_weight",
+            "mtp_reference": "mtp_reference"}
 REWARD_FLAGS = {"reward_alpha": "alpha", "reward_beta": "beta",
                 "reward_gamma": "gamma", "speed_min": "speed_min",
                 "speed_max": "speed_max", "reward_baseline": "baseline"}
@@ -233,7 +239,8 @@ def _fresh_configs(mcfg: ModelConfig):
                         mtp_depth=mcfg.num_mtp_modules,
                         mtp_loss=FLAGS.mtp_loss, mtp_topk=FLAGS.mtp_topk,
                         mtp_tail=FLAGS.mtp_tail, mtp_detach=FLAGS.mtp_detach,
-                        mtp_weight=FLAGS.mtp_weight)
+                        mtp_weight=FLAGS.mtp_weight,
+                        mtp_reference=FLAGS.mtp_reference)
   run = loop.RLRunConfig(
       env=FLAGS.env, env_fields=_env_fields(), agent=FLAGS.agent,
       mode=FLAGS.mode, steps=steps, max_rollouts=FLAGS.max_rollouts,

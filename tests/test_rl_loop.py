@@ -277,6 +277,34 @@ def test_resume_may_lengthen_the_run_and_change_its_cadence(tmp_path):
     _run(tmp_path, _run_config(steps=3, groups_per_step=3), resume=True)
 
 
+def test_frozen_references_survive_a_resume(tmp_path):
+  """The KL's reference policy and RLConfig.mtp_reference's MTP modules are
+  the run's start (its warm start), also after a resume: a run stopped
+  after step 1 and resumed trains to the uninterrupted run's parameters,
+  bit for bit, with the same reference metrics. Before any update the
+  reference MTP modules are the co-trained ones (step 1: equal metrics);
+  co-training then moves the live ones away."""
+  rl = rl_step.RLConfig(mtp_depth=1, kl_coef=0.5, mtp_reference=True)
+  whole, parts = tmp_path / "whole", tmp_path / "parts"
+  _run(whole, _run_config(), rl_config=rl)
+  _run(parts, _run_config(), rl_config=rl, stop_after=1)
+  _run(parts, _run_config(), rl_config=rl, resume=True)
+  for a, b in zip(_params(whole)[2], _params(parts)[2]):
+    np.testing.assert_array_equal(a, b)
+  lines = {name: [json.loads(l) for l in open(d / "metrics.jsonl")]
+           for name, d in (("whole", whole), ("parts", parts))}
+  for key in ("mtp/ref_kl", "mtp/ref_accept_prob", "policy/kl"):
+    assert ([l[key] for l in lines["whole"]]
+            == [l[key] for l in lines["parts"]]), key
+  first, last = lines["whole"][0], lines["whole"][-1]
+  # The step's forward (under its gradient) and the reference's sum in
+  # another order: equal to float32 rounding.
+  assert first["mtp/ref_kl"] == pytest.approx(first["mtp/kl"], rel=1e-5)
+  assert first["mtp/ref_accept_prob"] == pytest.approx(
+      first["mtp/accept_prob"], rel=1e-5)
+  assert abs(last["mtp/ref_kl"] - last["mtp/kl"]) > 1e-3 * last["mtp/kl"]
+
+
 def _init_run(workdir: str, model_config, seed: int) -> None:
   """A run directory as experiments.pretrain leaves it (config.json,
   tokenizer/, a checkpoint at step 4) of a model initialised from `seed`."""

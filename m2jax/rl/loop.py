@@ -417,17 +417,22 @@ class _Run:
                            agent=self.agent)
     state = state_lib.create_state(mcfg, tcfg, variables)
     self.step, self.version, self.next_seq = 0, 0, 0
+    restored_state = None
     if resume:
       restored = self.ckpt.restore_latest(ckpt_lib.abstract(state),
                                           train_config=tcfg)
       if restored is not None:
-        self.step, state, data, meta = restored
+        self.step, restored_state, data, meta = restored
         self.version, self.next_seq = meta["version"], data["next_seq"]
     self.pool = pool_lib.Pool(pool_path)
     self.pool.rollback(self.step)
+    # Built on the start (the warm start), which its frozen references
+    # (KL, MTP) copy, resumed or not; then the checkpoint's state.
     self.trainer = trainer_lib.Trainer(mcfg, tcfg, rl_config, trainer_config,
                                        state, mesh=mesh,
                                        rewards=reward_config)
+    if restored_state is not None:
+      self.trainer.load_state(restored_state)
     self.engine = Engine(mcfg, self.trainer.snapshot(), engine_config,
                          tokenizer=self.tokenizer, mesh=mesh)
     # The verified groups no surviving step trained: first in the queue.

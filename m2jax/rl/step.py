@@ -121,6 +121,12 @@ class RLConfig:
   mtp_detach: the MTP term trains the MTP modules only, never the policy
     (trunk, embedding, final norm, lm_head); False lets it reach them as
     in pretraining.
+  mtp_reference: also score, on every batch, the MTP modules the trainer
+    started with (kept frozen) against the current policy: the metrics
+    "mtp/ref_accept_prob", "mtp/ref_kl" (and per depth) are what the
+    co-trained "mtp/accept_prob" and "mtp/kl" would be without
+    co-training, on the same policy and tokens (one more forward pass a
+    step; `mtp_reference_metrics`).
   """
   algorithm: str = "cispo"
   cispo: cispo.CISPOConfig = cispo.CISPOConfig()
@@ -134,6 +140,7 @@ class RLConfig:
   mtp_topk: int = MTP_TOPK
   mtp_tail: str = "bucket"
   mtp_detach: bool = True
+  mtp_reference: bool = False
 
   @property
   def policy(self):
@@ -168,6 +175,9 @@ class RLConfig:
     if self.mtp_tail not in mtp_cotrain.TAILS:
       raise ValueError(f"RLConfig.mtp_tail: must be one of "
                        f"{mtp_cotrain.TAILS} (got {self.mtp_tail!r})")
+    if self.mtp_reference and not self.mtp_depth:
+      raise ValueError("RLConfig.mtp_reference: needs MTP modules "
+                       "(mtp_depth >= 1)")
 
 
 class RLBatch(NamedTuple):
@@ -324,6 +334,29 @@ def reference_logprobs(ref_params, expert_bias, batch: RLBatch, *,
   out = _forward(ref_params, expert_bias, batch, model_config, 0)
   return prefix_tree.sample_logprobs(out.logits, batch.tokens, batch.parent,
                                      batch.sample_index)
+
+
+def mtp_reference_metrics(params, expert_bias, ref_mtp, batches: RLBatch, *,
+                          model_config: ModelConfig, config: RLConfig):
+  """The co-training metrics of the frozen reference MTP modules
+  (RLConfig.mtp_reference) on micro-batches stacked on axis 0: the policy's
+  `params` and `expert_bias` with the MTP subtrees (top-level "mtp_*") of
+  `ref_mtp` = {"params": ..., EXPERT_BIAS: ...} in their place, one forward
+  pass; returns mtp_cotrain.mtp_loss's metrics renamed "mtp/ref_*", summed
+  over micro-batches like the step's (jittable)."""
+  params = {**params, **ref_mtp["params"]}
+  expert_bias = {**expert_bias, **ref_mtp[model.EXPERT_BIAS]}
+
+  def one(batch):
+    out = _forward(params, expert_bias, batch, model_config, config.mtp_depth)
+    _, metrics = mtp_cotrain.mtp_loss(
+        out.logits, out.mtp_logits, batch.tokens, batch.parent,
+        batch.sample_index, batch.mtp_weights, loss="topk_kl",
+        topk=config.mtp_topk, tail=config.mtp_tail)
+    return {k.replace("mtp/", "mtp/ref_", 1): v for k, v in metrics.items()
+            if not k.startswith("mtp/ce")}
+
+  return jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(one, batches))
 
 
 def loss_fn(params, expert_bias, batch: RLBatch, *, model_config: ModelConfig,

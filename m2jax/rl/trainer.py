@@ -17,7 +17,10 @@ all equal, happens before: the loop refills the batch.)
 
 KL to a reference policy (RLConfig.kl_coef > 0): the reference is the
 policy the trainer started from (the warm start), kept frozen; its
-log-probs are computed on the same merged rows before each step.
+log-probs are computed on the same merged rows before each step. Likewise
+RLConfig.mtp_reference keeps the MTP modules it started with and scores
+them against the current policy on each batch (the co-training metrics
+without co-training, on the same policy).
 
 Shapes. The step compiles once per shape; a batch is padded to buckets:
 rows to a power-of-two number of micro-batches of `rows_per_micro_batch`
@@ -144,10 +147,14 @@ def build_batches(trajectories, rl_config: rl_step.RLConfig,
 @functools.lru_cache(maxsize=8)
 def _compiled(model_config: ModelConfig, train_config: TrainConfig,
               rl_config: rl_step.RLConfig, mesh=None):
-  """(step, reference pass), jitted once per configs and mesh in a process:
-  runs of one program (a sweep over seeds) share their compilations."""
+  """(step, reference pass, reference MTP metrics), jitted once per configs
+  and mesh in a process: runs of one program (a sweep over seeds) share
+  their compilations."""
   step = functools.partial(rl_step.train_step, model_config=model_config,
                            train_config=train_config, config=rl_config)
+  mtp_reference = functools.partial(rl_step.mtp_reference_metrics,
+                                    model_config=model_config,
+                                    config=rl_config)
 
   def with_reference(variables, batches):
     logprobs = jax.lax.map(lambda b: rl_step.reference_logprobs(
@@ -156,13 +163,15 @@ def _compiled(model_config: ModelConfig, train_config: TrainConfig,
     return batches._replace(ref_logprobs=logprobs)
 
   if mesh is None:
-    return jax.jit(step, donate_argnums=0), jax.jit(with_reference)
+    return (jax.jit(step, donate_argnums=0), jax.jit(with_reference),
+            jax.jit(mtp_reference))
   shardings = state_lib.state_shardings(model_config, train_config, mesh)
   rep = sharding.replicated(mesh)
   return (sharding.on_mesh(jax.jit(
       step, in_shardings=(shardings, rep), out_shardings=(shardings, rep),
       donate_argnums=0), mesh),
-          sharding.on_mesh(jax.jit(with_reference), mesh))
+          sharding.on_mesh(jax.jit(with_reference), mesh),
+          sharding.on_mesh(jax.jit(mtp_reference), mesh))
 
 
 class Trainer:
@@ -179,21 +188,40 @@ class Trainer:
                state: state_lib.TrainState, *, mesh=None,
                rewards: rewards_lib.RewardConfig = (
                    rewards_lib.RewardConfig())):
-    """`rewards`: the composite reward and its per-step advantages."""
+    """`state`: where training starts, and what the frozen references (the
+    KL's policy, RLConfig.mtp_reference's MTP modules) are copied from; a
+    resumed run then `load_state`s its checkpoint. `rewards`: the composite
+    reward and its per-step advantages."""
     if not isinstance(rewards, rewards_lib.RewardConfig):
       raise UserError(f"Trainer: rewards is a {type(rewards).__name__}, "
                       "expected a RewardConfig")
     self.rl_config, self.config, self.rewards = rl_config, config, rewards
     self._floor = (1, 1, 1)
+    self._shardings = None if mesh is None else state_lib.state_shardings(
+        model_config, train_config, mesh)
     # The seed only matters for init: runs that differ by it share a step.
-    self._step, self._reference = _compiled(
+    self._step, self._reference, self._mtp_reference = _compiled(
         model_config, train_config.replace(seed=0), rl_config, mesh)
-    if mesh is not None:
-      state = jax.device_put(state, state_lib.state_shardings(
-          model_config, train_config, mesh))
-    self.state = state
+    self.state = None
+    self.load_state(state)
     # The frozen reference policy (a copy: the state's buffers are donated).
     self.reference = self.snapshot() if rl_config.kl_coef else None
+    # The MTP modules as they started, frozen (RLConfig.mtp_reference).
+    self.mtp_reference = None
+    if rl_config.mtp_reference:
+      variables = self.snapshot()
+      self.mtp_reference = {
+          name: {k: v for k, v in variables.get(name, {}).items()
+                 if k.startswith("mtp_")}
+          for name in ("params", model.EXPERT_BIAS)}
+
+  def load_state(self, state: state_lib.TrainState) -> None:
+    """Continue from `state` (a resumed checkpoint's), placed on the mesh;
+    the frozen references stay those of the state the trainer was built
+    with."""
+    if self._shardings is not None:
+      state = jax.device_put(state, self._shardings)
+    self.state = state
 
   def snapshot(self) -> dict:
     """A copy of the policy's variables (the state's own buffers are
@@ -220,7 +248,13 @@ class Trainer:
       self._floor = tuple(map(max, self._floor, shape))
       if self.reference is not None:
         batches = self._reference(self.reference, batches)
+      reference = {}
+      if self.mtp_reference is not None:  # at the weights the step reads
+        reference = self._mtp_reference(self.state.params,
+                                        self.state.expert_bias,
+                                        self.mtp_reference, batches)
       self.state, metrics = self._step(self.state, batches)
+      metrics = dict(metrics, **reference)
       for k, v in jax.device_get(metrics).items():
         totals[k] = totals.get(k, 0.0) + float(v) / len(parts)
       for k, v in stats.items():
