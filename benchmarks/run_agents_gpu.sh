@@ -52,7 +52,10 @@ case "${1:-gateway}" in
     arm() {  # name gpu
       local dir=runs/mtp_$1 extra resume=""
       if [ $1 = co ]; then
-        extra="--warm_start_steps=60 --warm_start_learning_rate=1e-3"
+        # --mtp_reference: the warm start's MTP module, frozen, scored on
+        # this arm's own policy every step (mtp/ref_*): without co-training
+        # on the same policy, free of the two arms' drift apart.
+        extra="--warm_start_steps=60 --warm_start_learning_rate=1e-3 --mtp_reference"
       else
         until [ -d runs/mtp_co/warm_start/checkpoints/60 ]; do
           sleep 5; [ $(( $(date +%s) - T0 )) -gt $BUDGET ] && return
