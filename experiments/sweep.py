@@ -12,15 +12,20 @@ Rerunning the same command skips finished runs and resumes a killed (or
 Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
 now; results.json and the report always cover every finished run of
 --sweep_dir (python -m experiments.report rewrites the report alone).
+How the steps run is every training script's Settings flags
+(experiments/run_flags.py), e.g. --gmm_backend=xla where a vmapped Mosaic
+grouped matmul fails; the sweep trains on one device (no --mesh).
 """
 
 from absl import flags, logging
 
-from experiments import cli
+from experiments import cli, run_flags
 from m2jax import config as config_lib
 from m2jax import report, sweep
+from m2jax.errors import UserError
 
 FLAGS = flags.FLAGS
+run_flags.define()
 flags.DEFINE_enum("grid", "attention", list(sweep.GRIDS), "Which ablation.")
 flags.DEFINE_string("preset", "tiny", f"One of {sorted(config_lib.PRESETS)}.")
 flags.DEFINE_multi_string("override", [], "Base ModelConfig FIELD=VALUE.")
@@ -60,8 +65,12 @@ cli.integer_lists("seeds", "eval_lengths", "mqar_gaps")
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  mesh, settings = run_flags.from_flags()
+  if mesh is not None:
+    raise UserError(f"--mesh={FLAGS.mesh}: a sweep trains each run on one "
+                    "device (--parallel batches runs on it); leave --mesh out")
   base = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
-                                    FLAGS.override)
+                                    FLAGS.override).replace(settings=settings)
   cfg = sweep.SweepConfig(
       grid=FLAGS.grid, seeds=tuple(int(s) for s in FLAGS.seeds),
       steps=FLAGS.steps, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,

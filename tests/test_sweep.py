@@ -252,3 +252,19 @@ def test_recall_check_verdict_and_refused_pairs():
   assert proc.stderr.strip().splitlines() == [
       "error: flag --pairs=0: 0 is not an integer in the range [1, 676]"]
 
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--gmm_backend=nope", "Settings.gmm_backend: gmm backend must be one of"),
+    ("--mesh=data=1", "a sweep trains each run on one device"),
+])
+def test_sweep_cli_takes_the_settings_flags(flag, message):
+  """experiments.sweep reads the training scripts' Settings flags (e.g.
+  --gmm_backend=xla for a vmapped run) and refuses a mesh, in one line."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.sweep", flag, "--steps=1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode != 0
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
