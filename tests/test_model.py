@@ -433,3 +433,38 @@ def test_auto_attention_picks_cudnn_only_for_half_precision_on_a_gpu():
   assert pick("xla", jnp.bfloat16, "gpu", **long) == "xla"
   assert pick("tree", jnp.bfloat16, "gpu", **w) == "blockwise"
   assert pick("xla", jnp.float32, "cpu", tree=True) == "tree"
+
+
+def test_token_copies_gradient_is_a_gather_not_a_scatter_add():
+  """moe.token_copies (the dispatch's x[order // K]) equals jnp.take in
+  value and gradient, and its gradient has no scatter-add: each token's K
+  copies are un-permuted and summed (the GPU ran jnp.take's scatter-add
+  with atomics, three quarters of the dispatch's time)."""
+  T, K, D = 37, 4, 16
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+  order = jnp.argsort(jnp.asarray(rng.integers(0, 8, size=T * K)),
+                      stable=True)
+  w = jnp.asarray(rng.normal(size=(T * K, D)), jnp.float32)
+  ours = lambda x: jnp.sum(moe.token_copies(K, x, order) * w)
+  take = lambda x: jnp.sum(jnp.take(x, order // K, axis=0) * w)
+  np.testing.assert_array_equal(ours(x), take(x))
+  np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(take)(x),
+                             rtol=1e-6, atol=1e-6)
+  primitives = lambda f: _primitives(jax.make_jaxpr(jax.grad(f))(x).jaxpr)
+  assert "scatter-add" in primitives(take)  # what the custom VJP avoids
+  assert not {"scatter-add", "scatter_add"} & primitives(ours)
+
+
+def _primitives(jaxpr) -> set[str]:
+  """Every primitive's name in `jaxpr` and the jaxprs nested in it (jit,
+  custom_vjp, scan, ...)."""
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          names |= _primitives(inner)
+  return names
