@@ -41,13 +41,15 @@ case "${1:-gateway}" in
       --merge_reps=3 --merge_row_len=1024 \
       --out="$OUT/rl_merge_agents_h100.json" 2>&1 | quiet | tail -5 ;;
   mtp)
+    # lr 1e-4: at 2e-4 (the 2026-11-27 run) the co-trained arm's policy went
+    # near-deterministic, which confounds its acceptance (notes/agents.md).
     # Both arms at once, one GPU each (GPU_CO, GPU_FROZEN; default 0 and 1);
     # the frozen arm waits for the co-trained arm's warm start and starts
     # from it. Each arm resumes where an earlier call left it.
     STEPS=${STEPS:-200}; BUDGET=${BUDGET:-560}
     COMMON="--preset=m2_small --env=arithmetic --env_config=levels=1
       --steps=$STEPS --groups_per_step=${GROUPS:-16} --group_size=8
-      --max_new_tokens=12 --learning_rate=${LR:-2e-4} --mtp_draft=1
+      --max_new_tokens=12 --learning_rate=${LR:-1e-4} --mtp_draft=1
       --eval_every=0 --checkpoint_every=10 --max_batch=128 --num_pages=4096"
     arm() {  # name gpu
       local dir=runs/mtp_$1 extra resume=""
