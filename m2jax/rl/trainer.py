@@ -208,12 +208,12 @@ class Trainer:
     self.reference = self.snapshot() if rl_config.kl_coef else None
     # The MTP modules as they started, frozen (RLConfig.mtp_reference).
     self.mtp_reference = None
-    if rl_config.mtp_reference:
-      variables = self.snapshot()
-      self.mtp_reference = {
+    if rl_config.mtp_reference:  # copies of the MTP subtrees only
+      variables = state_lib.variables_of(self.state)
+      self.mtp_reference = jax.tree.map(jnp.copy, {
           name: {k: v for k, v in variables.get(name, {}).items()
                  if k.startswith("mtp_")}
-          for name in ("params", model.EXPERT_BIAS)}
+          for name in ("params", model.EXPERT_BIAS)})
 
   def load_state(self, state: state_lib.TrainState) -> None:
     """Continue from `state` (a resumed checkpoint's), placed on the mesh;
