@@ -319,7 +319,7 @@ def main(argv):
             "overrides": FLAGS.override, "optimizer": FLAGS.optimizer,
             "lr": FLAGS.lr, "batch": FLAGS.batch, "seq_len": FLAGS.seq_len,
             "steps": FLAGS.steps, "window": FLAGS.window,
-            "arms": dict(texts),
+            "arms": texts,
             "runs": []}
   old = grid.previous(FLAGS.out, result, SAME) if FLAGS.resume else None
   if old:

@@ -446,7 +446,8 @@ def test_token_copies_gradient_is_a_gather_not_a_scatter_add():
   order = jnp.argsort(jnp.asarray(rng.integers(0, 8, size=T * K)),
                       stable=True)
   w = jnp.asarray(rng.normal(size=(T * K, D)), jnp.float32)
-  ours = lambda x: jnp.sum(moe.token_copies(K, x, order) * w)
+  inverse = jnp.argsort(order)
+  ours = lambda x: jnp.sum(moe.token_copies(K, x, order, inverse) * w)
   take = lambda x: jnp.sum(jnp.take(x, order // K, axis=0) * w)
   np.testing.assert_array_equal(ours(x), take(x))
   np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(take)(x),

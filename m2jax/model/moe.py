@@ -183,52 +183,53 @@ def dispatch(x_TxD, routing: Routing, num_experts: int):
   """Sort (token, choice) pairs by expert.
 
   Returns the sorted token copies [T*K, D], the group sizes [E] and the
-  sort order (to undo it in `combine`).
+  sort's inverse permutation (what `combine`, and the copies' gradient,
+  undo the sort with).
   """
   T, K = routing.experts_TxK.shape
   flat = routing.experts_TxK.reshape(T * K)
   order = jnp.argsort(flat, stable=True)
-  x_sorted = token_copies(K, x_TxD, order)
+  inverse = jnp.argsort(order)
+  x_sorted = token_copies(K, x_TxD, order, inverse)
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  return x_sorted, group_sizes, order
+  return x_sorted, group_sizes, inverse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def token_copies(K: int, x_TxD, order):
+def token_copies(K: int, x_TxD, order, inverse):
   """x_TxD[order // K]: row i is a copy of token order[i] // K, `order` a
-  permutation of the T*K (token, choice) pairs.
+  permutation of the T*K (token, choice) pairs and `inverse` its inverse.
 
-  Its gradient is computed as a gather: un-permute the rows' gradients
-  (order's inverse) and sum each token's K of them, in float32. jnp.take's
-  own transpose is a scatter-add with K colliding rows per token, which
-  the GPU runs with atomics: 1.38 ms per MoE layer on an H100 at m2_small's
-  16K tokens, three quarters of the dispatch
-  (benchmarks/notes/train.md).
+  Its gradient is computed as a gather: un-permute the rows' gradients (by
+  `inverse`) and sum each token's K of them, in float32. jnp.take's own
+  transpose is a scatter-add with K colliding rows per token, which the
+  GPU runs with atomics: 1.38 ms per MoE layer on an H100 at m2_small's
+  16K tokens, three quarters of the dispatch (benchmarks/notes/train.md).
   """
+  del inverse
   return jnp.take(x_TxD, order // K, axis=0)
 
 
-def _token_copies_fwd(K, x_TxD, order):
-  return token_copies(K, x_TxD, order), (order, jnp.zeros((), x_TxD.dtype))
+def _token_copies_fwd(K, x_TxD, order, inverse):
+  return token_copies(K, x_TxD, order, inverse), inverse
 
 
-def _token_copies_bwd(K, residuals, g_NxD):
-  order, like = residuals
-  inverse = jnp.argsort(order)
+def _token_copies_bwd(K, inverse, g_NxD):
   g_TxKxD = expert_parallel.permute(g_NxD, inverse).reshape(-1, K,
                                                              g_NxD.shape[-1])
-  return (jnp.sum(g_TxKxD.astype(jnp.float32), axis=1).astype(like.dtype),
-          None)
+  # The copies' cotangent has x's dtype.
+  return (jnp.sum(g_TxKxD.astype(jnp.float32), axis=1).astype(g_NxD.dtype),
+          None, None)
 
 
 token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
 
 
 @jax.named_scope("combine")
-def combine(y_sorted, routing: Routing, order):
-  """Undo the sort and sum each token's K expert outputs, weighted, in f32."""
+def combine(y_sorted, routing: Routing, inverse):
+  """Undo the sort (`inverse`, from `dispatch`) and sum each token's K
+  expert outputs, weighted, in f32."""
   T, K = routing.experts_TxK.shape
-  inverse = jnp.argsort(order)
   y_TxKxD = expert_parallel.permute(y_sorted, inverse).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32),
                     routing.weights_TxK)
@@ -303,7 +304,7 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
 
   def chunk(x, experts, weights, w1, w3, w2):
     local = Routing(None, experts, weights)
-    x_sorted, sizes_E, order = dispatch(x, local, E)
+    x_sorted, sizes_E, inverse = dispatch(x, local, E)
     run = lambda rows, sizes: swiglu_experts(rows, sizes, w1, w3, w2,
                                              settings=settings)
     if n_ep == 1:
@@ -312,7 +313,7 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
       y_sorted, dropped = expert_parallel.exchange(
           x_sorted, sizes_E, run, top_k=K,
           capacity_factor=settings.capacity_factor, impl=impl)
-    return combine(y_sorted, local, order), dropped
+    return combine(y_sorted, local, inverse), dropped
 
   def body(x, experts, weights, w1, w3, w2):
     chunks = settings.exchange_chunks
@@ -372,11 +373,12 @@ class MoE(nn.Module):
                     gating=cfg.gating, scaling=cfg.routed_scaling_factor)
     sharded = _expert_mesh(B * T)
     if sharded is None:
-      x_sorted, group_sizes, order = dispatch(x_TxD.astype(cdt), routing, E)
+      x_sorted, group_sizes, inverse = dispatch(x_TxD.astype(cdt), routing,
+                                                E)
       x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
       y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
                                 settings=cfg.settings)
-      y, dropped = combine(y_sorted, routing, order), None
+      y, dropped = combine(y_sorted, routing, inverse), None
     else:
       mesh, axes = sharded
       y, dropped = sharded_experts(x_TxD.astype(cdt), routing, w1, w3, w2,
