@@ -5,6 +5,7 @@ benchmark uses, and nvidia-smi's utilisation sampled during a run."""
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 import subprocess
 import sys
@@ -123,11 +124,13 @@ class GpuSampler:
   samples where nvidia-smi is absent (a CPU). `summary()` after the block:
   {"util_mean", "util_max", "memory_used_mib_max", "samples"} or None."""
 
-  QUERY = ("nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
-           "--format=csv,noheader,nounits", "--id=0")
-
   def __init__(self, interval: float = 0.2):
     self.interval = interval
+    # nvidia-smi numbers GPUs physically, whatever CUDA_VISIBLE_DEVICES
+    # hides: sample the one this process sees as device 0.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    self.query = ("nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
+                  "--format=csv,noheader,nounits", f"--id={visible or 0}")
     self.samples: list[tuple[float, float]] = []
     self._stop = threading.Event()
     self._thread = None
@@ -135,7 +138,7 @@ class GpuSampler:
   def _sample(self):
     while not self._stop.is_set():
       try:
-        line = subprocess.run(self.QUERY, capture_output=True, text=True,
+        line = subprocess.run(self.query, capture_output=True, text=True,
                               timeout=5, check=True).stdout.strip()
         util, mem = (float(x) for x in line.split(",")[:2])
       except (OSError, subprocess.SubprocessError, ValueError):

@@ -31,7 +31,12 @@ flags.DEFINE_string("preset", "tiny", f"One of {sorted(config_lib.PRESETS)}.")
 flags.DEFINE_multi_string("override", [], "Base ModelConfig FIELD=VALUE.")
 flags.DEFINE_string("sweep_dir", None, "Sweep directory (default runs/sweep_GRID).")
 flags.DEFINE_list("seeds", ["0", "1"], "Seeds per variant.")
-flags.DEFINE_integer("steps", 200, "Steps per run (equal tokens for all arms).")
+flags.DEFINE_integer("steps", 200, "Steps per run (equal tokens for all "
+                     "arms; with --equal_compute, the first arm's steps).")
+flags.DEFINE_bool("equal_compute", False, "Equal training FLOPs instead of "
+                  "equal tokens: each arm's steps are --steps scaled by the "
+                  "first arm's FLOPs per token over its own (the mtp grid "
+                  "at equal compute).")
 flags.DEFINE_integer("seq_len", 1024, "Tokens per row.")
 flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
 flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
@@ -81,7 +86,7 @@ def main(argv):
       examples_per_point=FLAGS.examples_per_point, parallel=FLAGS.parallel,
       mqar_fraction=FLAGS.mqar_fraction, mqar_pairs=FLAGS.mqar_pairs,
       mqar_gaps=tuple(int(g) for g in FLAGS.mqar_gaps),
-      mqar_examples=FLAGS.mqar_examples)
+      mqar_examples=FLAGS.mqar_examples, equal_compute=FLAGS.equal_compute)
   sweep_dir = FLAGS.sweep_dir or f"runs/sweep_{FLAGS.grid}"
   results = sweep.run_sweep(base, cfg, sweep_dir)
   paths = report.write_report(results, sweep_dir)

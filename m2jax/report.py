@@ -3,7 +3,10 @@
 `write_report(results, out_dir)` writes
   report.md           one table per grid: validation loss and bits per
                       byte, routing balance, task accuracy per context
-                      length, and MQAR accuracy per gap when scored
+                      length, and MQAR accuracy per gap when scored; then
+                      every arm against the first: the difference of
+                      means, Welch's t-test over seeds, and whether the
+                      difference exceeds the seed spread (p < 0.05)
   loss_curves.png     the next-token loss: training (smoothed) and
                       validation, against steps on a log scale
   router_balance.png  the routers' load balance (max / mean expert load - 1)
@@ -30,7 +33,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
+from scipy import stats
 
+# A difference between two arms "exceeds the seed spread" when Welch's
+# t-test over their seeds gives p below this.
+SIGNIFICANCE = 0.05
 # Training curves are averaged over a window of this many decades of steps
 # around each point (+-0.05: +-12%), so the smoothing is even on a log axis.
 SMOOTH_HALF_WIDTH_DECADES = 0.05
@@ -212,10 +219,15 @@ def markdown(results: dict) -> str:
   sweep = results["sweep"]
   runs = _by_variant(results)
   lengths = [str(n) for n in sweep["eval_lengths"]]
-  tokens = next(iter(runs.values()))[0]["tokens"]
+  tokens = {name: rs[0]["tokens"] for name, rs in runs.items()}
+  if len(set(tokens.values())) == 1:
+    budget = f"{next(iter(tokens.values())):,} training tokens per run"
+  else:  # SweepConfig.equal_compute: equal FLOPs, so unequal tokens
+    budget = ("equal training FLOPs per run, so training tokens per run: "
+              + ", ".join(f"{name} {n:,}" for name, n in tokens.items()))
   out = [f"# Sweep `{sweep['grid']}`", "",
-         f"{len(results['runs'])} runs of {len(runs)} arms; {tokens:,} "
-         f"training tokens per run; seeds {_seeds(results)}; mean ± std over "
+         f"{len(results['runs'])} runs of {len(runs)} arms; {budget}; "
+         f"seeds {_seeds(results)}; mean ± std over "
          "seeds. Losses are next-token cross-entropy on the validation "
          "split; load balance is max / mean expert load.", ""]
   head = ["variant", "seeds", "val loss (nats)", "val bits/byte", "load CV",
@@ -243,7 +255,58 @@ def markdown(results: dict) -> str:
           f"{np.mean([r['tasks'][task][n] for r in rs]):.2f}" for n in lengths]
       out.append("| " + " | ".join(row) + " |")
   out += mqar_table(results)
+  out += differences_table(results)
   return "\n".join(out) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+  """Arm b's mean minus arm a's over seeds, and Welch's two-sided t-test."""
+  delta: float
+  p: float | None        # None: fewer than 2 seeds in an arm
+  exceeds_spread: bool | None
+
+  @classmethod
+  def of(cls, a, b) -> "Difference":
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    delta = float(b.mean() - a.mean())
+    if min(len(a), len(b)) < 2:
+      return cls(delta, None, None)
+    if a.std() == 0 and b.std() == 0:  # no spread: any difference is real
+      p = 1.0 if delta == 0 else 0.0
+    else:
+      p = float(stats.ttest_ind(b, a, equal_var=False).pvalue)
+    return cls(delta, p, p < SIGNIFICANCE)
+
+  def cells(self) -> list[str]:
+    if self.p is None:
+      return [f"{self.delta:+.4f}", "-", "- (one seed)"]
+    return [f"{self.delta:+.4f}", f"{self.p:.3f}",
+            "**yes**" if self.exceeds_spread else "no"]
+
+
+def differences_table(results: dict) -> list[str]:
+  """Markdown lines: every arm against the first arm of the report, for the
+  validation loss and (when scored) MQAR accuracy at each gap."""
+  runs = _by_variant(results)
+  if len(runs) < 2:
+    return []
+  (first, base), *others = runs.items()
+  metrics = [("val loss", lambda r: r["val_loss"])]
+  if all(r.get("mqar") for rs in runs.values() for r in rs):
+    metrics += [(f"MQAR gap {g}", lambda r, g=g: r["mqar"][g])
+                for g in base[0]["mqar"]]
+  out = ["", f"## Against `{first}`", "",
+         "Difference of the means over seeds (arm minus "
+         f"`{first}`), Welch's t-test (two-sided); a difference exceeds "
+         f"the seed spread when p < {SIGNIFICANCE}.", "",
+         "| variant | metric | difference | p | exceeds seed spread |",
+         "|---|---|---|---|---|"]
+  for name, rs in others:
+    for metric, value in metrics:
+      diff = Difference.of([value(r) for r in base], [value(r) for r in rs])
+      out.append("| " + " | ".join([name, metric] + diff.cells()) + " |")
+  return out
 
 
 def mqar_table(results: dict) -> list[str]:

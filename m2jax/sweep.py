@@ -27,7 +27,9 @@ arms that differ only in learning rate) train as one vmapped program
 (m2jax.train.multi) into the same run directories and result files.
 A rerun skips finished runs and resumes a killed (or Ctrl-C'd) one from its
 checkpoint; `--variants` and `--seeds` choose what to run now, never what
-the results and the report cover.
+the results and the report cover. Invocations with different arms may run
+at once on one directory (an arm per GPU): the data is written once per
+content, every result file whole.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import os
 
 import numpy as np
 
+from m2jax import params as params_lib
 from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
                           config_to_dict)
 from m2jax.data import DataConfig, make_tokenizer
@@ -131,6 +134,11 @@ class SweepConfig:
   mqar_pairs: int = 8
   mqar_gaps: tuple[int, ...] = ()
   mqar_examples: int = 64
+  # Equal training FLOPs instead of equal tokens: each arm trains
+  # `arm_steps` steps, `steps` scaled by the grid's first arm's FLOPs per
+  # token over its own (params.flops_per_token), so an arm that costs more
+  # per token (MTP modules) trains fewer tokens.
+  equal_compute: bool = False
 
   def __post_init__(self):
     if self.grid not in GRIDS:
@@ -209,7 +217,9 @@ def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
   for path, n, seed, drills, n_mqar in (
       (paths[0], cfg.train_documents - n_mqar, 0, cfg.drill_fraction, n_mqar),
       (paths[1], max(64, cfg.train_documents // 20), 1, 0.0, 0)):
-    tmp = path + ".tmp"
+    # Invocations sharing the directory (arms on separate GPUs) may write
+    # at once: each its own temporary file; the content is the same.
+    tmp = f"{path}.{os.getpid()}.tmp"
     docs = tasks_lib.training_documents(n, lengths, seed=seed + 1,
                                         tasks=cfg.eval_tasks,
                                         drill_fraction=drills)
@@ -232,19 +242,38 @@ def _data_config(sweep_dir: str, cfg: SweepConfig, seed: int) -> DataConfig:
                     batch_size=cfg.batch_size, seed=seed)
 
 
+def _mtp_depth(mcfg: ModelConfig, variant: Variant) -> int:
+  """The MTP modules a run of `variant` trains (TrainConfig.mtp_depth)."""
+  return variant.train.get("mtp_depth", min(1, mcfg.num_mtp_modules))
+
+
+def arm_steps(base: ModelConfig, variant: Variant, cfg: SweepConfig) -> int:
+  """Training steps of `variant`: `cfg.steps`, or with `equal_compute` the
+  steps whose training FLOPs equal `cfg.steps` of the grid's first arm."""
+  if not cfg.equal_compute:
+    return cfg.steps
+  def per_token(v):
+    mcfg = base.replace(**v.model)
+    return params_lib.flops_per_token(mcfg, cfg.seq_len,
+                                      mtp_depth=_mtp_depth(mcfg, v))
+  reference = make_grid(cfg.grid, base, window=cfg.window)[0]
+  return max(1, round(cfg.steps * per_token(reference) / per_token(variant)))
+
+
 def _run_configs(base: ModelConfig, variant: Variant, seed: int,
                  cfg: SweepConfig, sweep_dir: str) -> multi.Run:
   """The model, train and data configs and workdir of one (variant, seed)."""
   mcfg = base.replace(**variant.model)
-  tcfg = TrainConfig(**{"steps": cfg.steps, "seed": seed,
+  steps = arm_steps(base, variant, cfg)
+  tcfg = TrainConfig(**{"steps": steps, "seed": seed,
                         "learning_rate": cfg.learning_rate,
-                        "warmup_steps": max(1, cfg.steps // 20),
-                        "log_every": max(1, cfg.steps // 50),
-                        "eval_every": max(1, cfg.steps // 4),
+                        "warmup_steps": max(1, steps // 20),
+                        "log_every": max(1, steps // 50),
+                        "eval_every": max(1, steps // 4),
                         "eval_batches": cfg.eval_batches,
-                        "checkpoint_every": max(1, cfg.steps // 4),
+                        "checkpoint_every": max(1, steps // 4),
                         "keep_checkpoints": 1,
-                        "mtp_depth": min(1, mcfg.num_mtp_modules),
+                        "mtp_depth": _mtp_depth(mcfg, variant),
                         **variant.train})
   dcfg = _data_config(sweep_dir, cfg, seed)
   return multi.Run(mcfg, tcfg, dcfg, _run_dir(sweep_dir, variant.name, seed))
@@ -298,7 +327,14 @@ def _score_run(run: multi.Run, variant: Variant, seed: int, cfg: SweepConfig,
       "model_overrides": {k: list(v) if isinstance(v, tuple) else v
                           for k, v in variant.model.items()},
       "train_overrides": variant.train,
-      "steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.seq_len,
+      "steps": run.train.steps,
+      "tokens": run.train.steps * cfg.batch_size * cfg.seq_len,
+      # Training FLOPs of the run (params.flops_per_token x tokens): equal
+      # across arms with `equal_compute`.
+      "train_flops": float(run.train.steps * cfg.batch_size * cfg.seq_len
+                           * params_lib.flops_per_token(
+                               mcfg, cfg.seq_len,
+                               mtp_depth=run.train.mtp_depth)),
       "loss_curve": [[l["step"], l["loss"]] for l in train_lines],
       "ce_curve": [[l["step"], l["ce"]] for l in train_lines],
       "val_curve": [[l["step"], l["val_loss"]] for l in lines

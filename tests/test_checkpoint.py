@@ -2,6 +2,7 @@
 tests/test_resume.py; killed saves tests/test_interrupts.py)."""
 
 import asyncio
+import json
 import os
 import shutil
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 from m2jax.config import ConfigError
 from m2jax.errors import MissingPathError
+from m2jax.train import checkpoint as ckpt_lib
 from m2jax.train.checkpoint import Checkpointer, CheckpointError, abstract
 
 
@@ -141,3 +143,20 @@ def test_a_step_whose_deletion_was_cut_short_is_damage_not_another_config(
   assert [q.split(".")[0] for q in ck.quarantined()] == ["3"]
   assert ck.steps() == [1, 2]
   ck.close()
+
+
+def test_write_json_of_two_writers_at_once_leaves_one_whole_file(tmp_path):
+  # Another process is half-way through writing the same path (two sweep
+  # invocations sharing a directory): this write must not share its
+  # temporary file, or the other's late bytes land in ours.
+  path = str(tmp_path / "results.json")
+  other = open(path + ".tmp", "w", encoding="utf-8")  # the old shared name
+  other.write('{"runs": [1, 2')
+  other.flush()
+  ckpt_lib.write_json(path, {"runs": [3]})
+  other.write(', 4, 5, 6, 7, 8]}')
+  other.close()
+  with open(path, encoding="utf-8") as f:
+    assert json.load(f) == {"runs": [3]}
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "results.json", "results.json.tmp"]  # ours renamed, the other's left

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from m2jax import config as config_lib
-from m2jax import report, sweep
+from m2jax import params, report, sweep
 from m2jax.config import ConfigError
 from m2jax.eval import recall
 from m2jax.train import multi
@@ -47,6 +47,26 @@ def test_grids_hold_their_promises(tmp_path):
     sweep.run_sweep(BASE, sweep.SweepConfig(grid="mtp", variants=("mtp_9",)),
                     str(tmp_path / "never"), log=lambda _: None)
   assert not (tmp_path / "never").exists()
+
+
+def test_equal_compute_gives_an_mtp_arm_fewer_steps_of_equal_flops():
+  cfg = sweep.SweepConfig(grid="mtp", steps=400, seq_len=256,
+                          eval_lengths=(128,), equal_compute=True)
+  base = BASE.replace(num_mtp_modules=3)
+  flops = {}
+  for v in sweep.make_grid("mtp", base, window=64):
+    run = sweep._run_configs(base, v, 0, cfg, "/unused")
+    per_token = params.flops_per_token(run.model, cfg.seq_len,
+                                       mtp_depth=run.train.mtp_depth)
+    flops[v.name] = (run.train.steps, run.train.steps * per_token)
+  assert flops["mtp_off"][0] == 400
+  assert flops["mtp_off"][0] > flops["mtp_1"][0] > flops["mtp_3"][0]
+  for steps, total in flops.values():  # equal up to one step's rounding
+    assert abs(total / flops["mtp_off"][1] - 1) <= 0.5 / steps
+  # Without it every arm trains the same steps (equal tokens).
+  plain = dataclasses.replace(cfg, equal_compute=False)
+  assert {sweep._run_configs(base, v, 0, plain, "/unused").train.steps
+          for v in sweep.make_grid("mtp", base, window=64)} == {400}
 
 
 def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
@@ -142,7 +162,8 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   text = open(paths["report"]).read()
   rows = [l for l in text.splitlines() if l.startswith("| sigmoid_bias")
           or l.startswith("| softmax_aux")]
-  assert len(rows) == 2 + 2 * len(cfg.eval_tasks)
+  # Two arms' summary rows, their task rows, softmax_aux against the first.
+  assert len(rows) == 2 + 2 * len(cfg.eval_tasks) + 1
   assert "±" in rows[0]  # mean ± std over the two seeds
   # The gating grid gets the router balance plot, logged at every step.
   assert len(results["runs"][0]["balance_curve"]) == 4
@@ -234,6 +255,28 @@ def test_plots_show_next_token_and_validation_loss_with_seed_bands(tmp_path):
                     grid="attention")
   paths = report.write_report(solved, str(tmp_path / "solved"))
   assert set(paths) == {"report", "loss_curves", "context_scores"}
+
+
+def test_report_says_whether_each_difference_exceeds_the_seed_spread():
+  seeds = lambda name, values, **kw: [_run(name, i, ce=v, **kw)
+                                      for i, v in enumerate(values)]
+  results = _results(*seeds("mtp_off", [2.00, 2.01, 2.02]),
+                     *seeds("mtp_1", [2.30, 2.31, 2.29]),    # far apart
+                     *seeds("mtp_3", [2.02, 1.99, 2.01]),    # within noise
+                     *seeds("mtp_9", [2.5]))                 # one seed
+  results["variants"] = ["mtp_off", "mtp_1", "mtp_3", "mtp_9"]
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[2:]
+          for line in report.differences_table(results) if "| mtp_" in line}
+  assert rows["mtp_1"][0] == "+0.2900" and rows["mtp_1"][2] == "**yes** |"
+  assert float(rows["mtp_1"][1]) < 0.01
+  assert rows["mtp_3"][0] == "-0.0033" and rows["mtp_3"][2] == "no |"
+  assert float(rows["mtp_3"][1]) > 0.5
+  assert rows["mtp_9"][1:] == ["-", "- (one seed) |"]
+  # Arms without seed spread (MQAR accuracy 1.0 in every seed): any
+  # difference is real, none is none.
+  assert report.Difference.of([1.0, 1.0], [0.5, 0.5]).exceeds_spread
+  assert not report.Difference.of([1.0, 1.0], [1.0, 1.0]).exceeds_spread
+  assert "## Against `mtp_off`" in report.markdown(results)
 
 
 def test_recall_check_verdict_and_refused_pairs():

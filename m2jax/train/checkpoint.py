@@ -37,6 +37,7 @@ import copy
 import json
 import logging
 import os
+import tempfile
 import time
 from typing import Any, Mapping
 
@@ -61,12 +62,20 @@ class CheckpointError(RuntimeError):
 
 def write_json(path: str, obj) -> None:
   """Write JSON atomically: a crash leaves the old file or the new one (its
-  folder made if missing)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
+  folder made if missing). Each call writes its own temporary file, so
+  processes writing the same path at once (sweep invocations sharing a
+  directory) leave one whole file, never an interleaving."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
+                             suffix=".tmp", dir=folder)
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
 
 
 def config_differences(saved: dict, config) -> list[tuple[str, Any, Any]]:
