@@ -208,6 +208,10 @@ COMMANDS = {
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
     "prefix_model|prefix_agent128": Skip(
         GPU + "runs the benchmarks on a device machine"),
+    "bash benchmarks/run_ablations_gpu.sh mtp experts attention_mqar "
+    "attention_lm gating": Skip(
+        GPU + "three seeds of every grid; tests/test_sweep.py runs grids, "
+        "--parallel and --equal_compute at tiny shapes"),
     "benchmarks/run_sweep_vmap_gpu.sh step|sweep": Skip(
         GPU + "times N models in one vmapped program; tests/test_multi.py "
         "and the sweep test's --parallel arm run it on CPU"),
