@@ -106,10 +106,10 @@ def _moe_layer(x_TxD, w):
   router, w1, w3, w2 = w
   routing = moe.route(x_TxD, router, None, top_k=2, gating="sigmoid",
                       scaling=1.0)
-  x_sorted, sizes, order = moe.dispatch(x_TxD, routing, router.shape[1])
+  x_sorted, sizes, sort = moe.dispatch(x_TxD, routing, router.shape[1])
   y = moe.swiglu_experts(x_sorted, sizes, w1, w3, w2,
                          settings=Settings(gmm_backend="xla"))
-  y = moe.combine(y, routing, order)
+  y = moe.combine(y, routing, sort)
   positions = jnp.arange(x_TxD.shape[0])[None]
   q = layers.apply_partial_rope(y.reshape(1, -1, 2, 8), positions, 4, 1e4)
   return x_TxD + q.reshape(x_TxD.shape)

@@ -178,13 +178,19 @@ def update_expert_bias(bias, load, rate: float, rule: str = "sign"):
   return bias + (rate * step).astype(bias.dtype)
 
 
+class Sort(NamedTuple):
+  """The dispatch's sort of the T*K (token, choice) pairs by expert: row i
+  of the sorted rows is pair order[i]; pair j is sorted row inverse[j]."""
+  order: jax.Array
+  inverse: jax.Array
+
+
 @jax.named_scope("dispatch")
 def dispatch(x_TxD, routing: Routing, num_experts: int):
   """Sort (token, choice) pairs by expert.
 
   Returns the sorted token copies [T*K, D], the group sizes [E] and the
-  sort's inverse permutation (what `combine`, and the copies' gradient,
-  undo the sort with).
+  `Sort` (what `combine`, and the gradients, undo the sort with).
   """
   T, K = routing.experts_TxK.shape
   flat = routing.experts_TxK.reshape(T * K)
@@ -192,7 +198,7 @@ def dispatch(x_TxD, routing: Routing, num_experts: int):
   inverse = jnp.argsort(order)
   x_sorted = token_copies(K, x_TxD, order, inverse)
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  return x_sorted, group_sizes, inverse
+  return x_sorted, group_sizes, Sort(order, inverse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -215,8 +221,8 @@ def _token_copies_fwd(K, x_TxD, order, inverse):
 
 
 def _token_copies_bwd(K, inverse, g_NxD):
-  g_TxKxD = expert_parallel.permute(g_NxD, inverse).reshape(-1, K,
-                                                             g_NxD.shape[-1])
+  g_TxKxD = expert_parallel.permute(g_NxD, inverse).reshape(
+      -1, K, g_NxD.shape[-1])
   # The copies' cotangent has x's dtype.
   return (jnp.sum(g_TxKxD.astype(jnp.float32), axis=1).astype(g_NxD.dtype),
           None, None)
@@ -226,11 +232,13 @@ token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
 
 
 @jax.named_scope("combine")
-def combine(y_sorted, routing: Routing, inverse):
-  """Undo the sort (`inverse`, from `dispatch`) and sum each token's K
-  expert outputs, weighted, in f32."""
+def combine(y_sorted, routing: Routing, sort: Sort):
+  """Undo the sort (from `dispatch`) and sum each token's K expert outputs,
+  weighted, in f32. The un-permutation's gradient is a gather by the sort's
+  order, not a scatter."""
   T, K = routing.experts_TxK.shape
-  y_TxKxD = expert_parallel.permute(y_sorted, inverse).reshape(T, K, -1)
+  y_TxKxD = expert_parallel.permute(y_sorted, sort.inverse,
+                                    sort.order).reshape(T, K, -1)
   return jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32),
                     routing.weights_TxK)
 
@@ -304,7 +312,7 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
 
   def chunk(x, experts, weights, w1, w3, w2):
     local = Routing(None, experts, weights)
-    x_sorted, sizes_E, inverse = dispatch(x, local, E)
+    x_sorted, sizes_E, sort = dispatch(x, local, E)
     run = lambda rows, sizes: swiglu_experts(rows, sizes, w1, w3, w2,
                                              settings=settings)
     if n_ep == 1:
@@ -313,7 +321,7 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
       y_sorted, dropped = expert_parallel.exchange(
           x_sorted, sizes_E, run, top_k=K,
           capacity_factor=settings.capacity_factor, impl=impl)
-    return combine(y_sorted, local, inverse), dropped
+    return combine(y_sorted, local, sort), dropped
 
   def body(x, experts, weights, w1, w3, w2):
     chunks = settings.exchange_chunks
@@ -373,12 +381,11 @@ class MoE(nn.Module):
                     gating=cfg.gating, scaling=cfg.routed_scaling_factor)
     sharded = _expert_mesh(B * T)
     if sharded is None:
-      x_sorted, group_sizes, inverse = dispatch(x_TxD.astype(cdt), routing,
-                                                E)
+      x_sorted, group_sizes, sort = dispatch(x_TxD.astype(cdt), routing, E)
       x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
       y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
                                 settings=cfg.settings)
-      y, dropped = combine(y_sorted, routing, inverse), None
+      y, dropped = combine(y_sorted, routing, sort), None
     else:
       mesh, axes = sharded
       y, dropped = sharded_experts(x_TxD.astype(cdt), routing, w1, w3, w2,
