@@ -9,7 +9,8 @@
 # 1:1 hybrid / all-SWA on MQAR inside and beyond the window), attention_lm
 # (full / 3:1 hybrid / all-SWA language-modelling loss on the stdlib
 # corpus), gating (m2_small: sigmoid + bias vs softmax + aux loss, both with
-# the router at lr x0.1). Every arm is one process training its three seeds
+# the router at lr x0.1), gating_sweep (the same two on the 4-layer sweep
+# model, through experiments.sweep). Every arm is one process training its three seeds
 # as one vmapped program (--parallel) into the grid's sweep directory; arms
 # go to the GPUs round-robin (GPUS, default: every GPU nvidia-smi lists), two
 # processes per GPU at most, each with 45% of its memory. Then
@@ -53,7 +54,8 @@ TASKS=(--train_documents=60000 --drill_fraction=0.5)
 declare -A ARMS=(
   [mtp]="mtp_off mtp_1" [experts]="fine_E16_top4 coarse_E4_top1"
   [attention_mqar]="full swa32_1to1 swa32_all"
-  [attention_lm]="full swa128_3to1 swa128_all")
+  [attention_lm]="full swa128_3to1 swa128_all"
+  [gating_sweep]="sigmoid_bias softmax_aux")
 grid_flags() {  # GRID: the sweep flags of that grid
   case $1 in
     mtp) echo --grid=mtp "${SMALL[@]}" "${TASKS[@]}" \
@@ -67,6 +69,8 @@ grid_flags() {  # GRID: the sweep flags of that grid
       --learning_rate=1e-3 --window=32 --train_documents=300000 \
       --mqar_fraction=0.8 --mqar_gaps=0,32,64 --eval_lengths=128,240 \
       --seeds=0,1,2 --parallel ;;
+    gating_sweep) echo --grid=gating "${SMALL[@]}" "${TASKS[@]}" \
+      --override=moe_intermediate_size=256 --steps=800 ;;
     attention_lm) echo --grid=attention "${SMALL[@]}" --data=stdlib \
       --override=moe_intermediate_size=256 --steps=800 --eval_lengths=128 \
       --examples_per_point=4 ;;

@@ -287,12 +287,17 @@ class Difference:
 
 def differences_table(results: dict) -> list[str]:
   """Markdown lines: every arm against the first arm of the report, for the
-  validation loss and (when scored) MQAR accuracy at each gap."""
+  validation loss, the routers' balance (MoE runs) and (when scored) MQAR
+  accuracy at each gap."""
   runs = _by_variant(results)
   if len(runs) < 2:
     return []
   (first, base), *others = runs.items()
   metrics = [("val loss", lambda r: r["val_loss"])]
+  if all(r["routing"].get("load_max_over_mean") is not None
+         for rs in runs.values() for r in rs):
+    metrics.append(("load max/mean",
+                    lambda r: r["routing"]["load_max_over_mean"]))
   if all(r.get("mqar") for rs in runs.values() for r in rs):
     metrics += [(f"MQAR gap {g}", lambda r, g=g: r["mqar"][g])
                 for g in base[0]["mqar"]]

@@ -162,8 +162,10 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   text = open(paths["report"]).read()
   rows = [l for l in text.splitlines() if l.startswith("| sigmoid_bias")
           or l.startswith("| softmax_aux")]
-  # Two arms' summary rows, their task rows, softmax_aux against the first.
-  assert len(rows) == 2 + 2 * len(cfg.eval_tasks) + 1
+  # Two arms' summary rows, their task rows, softmax_aux against the first
+  # (validation loss and balance).
+  assert len(rows) == 2 + 2 * len(cfg.eval_tasks) + 2
+  assert any(r.startswith("| softmax_aux | load max/mean |") for r in rows)
   assert "±" in rows[0]  # mean ± std over the two seeds
   # The gating grid gets the router balance plot, logged at every step.
   assert len(results["runs"][0]["balance_curve"]) == 4
@@ -266,7 +268,12 @@ def test_report_says_whether_each_difference_exceeds_the_seed_spread():
                      *seeds("mtp_9", [2.5]))                 # one seed
   results["variants"] = ["mtp_off", "mtp_1", "mtp_3", "mtp_9"]
   rows = {line.split(" | ")[0][2:]: line.split(" | ")[2:]
-          for line in report.differences_table(results) if "| mtp_" in line}
+          for line in report.differences_table(results)
+          if "| mtp_" in line and "| val loss |" in line}
+  balance = [line for line in report.differences_table(results)
+             if "| load max/mean |" in line]  # equal in every run: no
+  assert len(balance) == 3
+  assert all(l.endswith("| 1.000 | no |") for l in balance[:2])
   assert rows["mtp_1"][0] == "+0.2900" and rows["mtp_1"][2] == "**yes** |"
   assert float(rows["mtp_1"][1]) < 0.01
   assert rows["mtp_3"][0] == "-0.0033" and rows["mtp_3"][2] == "no |"
