@@ -13,6 +13,11 @@
 #       --mtp_draft=1, the two arms at once on two GPUs; resumable: call it
 #       again until both are done (runs persist on a warm machine; on an
 #       H100 ~0.55 s a step after ~200 s of compiling). BUDGET s per call.
+#   benchmarks/run_agents_gpu.sh learning  the learning target: one warm
+#       start, then 3 seeds x {white-box, black-box} RL runs of the tiny dense
+#       model on the multiply task (experiments/agent_learning.py), an arm
+#       per process, two per GPU; resumable (call again until every run has
+#       STEPS steps), then --stage=report into $OUT/agents_learning.json.
 #
 # Carry .whl (../shared/tools/wheels-for-gpu .whl grain array_record
 # portpicker tensorboardX); results land in $OUT.
@@ -72,5 +77,28 @@ case "${1:-gateway}" in
       cp $dir/metrics.jsonl "$OUT/mtp_$1_metrics.jsonl" 2>/dev/null
     }
     arm co ${GPU_CO:-0} & arm frozen ${GPU_FROZEN:-1} & wait ;;
-  *) echo "usage: $0 gateway|merge|mtp"; exit 2 ;;
+  learning)
+    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+    L="--workdir=runs/agent_learning --warm_start_steps=${WARM_STEPS:-400}
+      --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-3e-4}
+      --steps=$STEPS --groups_per_step=16 --checkpoint_every=10"
+    timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
+      --stage=warm 2>&1 | quiet | tail -2 | cut -c1-400
+    read -ra G <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')"
+    i=0
+    for agent in whitebox blackbox; do
+      for seed in 0 1 2; do
+        left=$(( BUDGET - ($(date +%s) - T0) ))
+        CUDA_VISIBLE_DEVICES=${G[$(( i % ${#G[@]} ))]} timeout -s KILL $left \
+          python3 -m experiments.agent_learning $L --agents=$agent \
+          --seeds=$seed > "$OUT/learning_${agent}_s$seed.log" 2>&1 &
+        i=$(( i + 1 ))
+      done
+    done
+    wait
+    python3 -m experiments.agent_learning $L --stage=report \
+      --out="$OUT/agents_learning.json" 2>&1 | quiet | grep -o \
+      '"agent": "[a-z]*", "seed": [0-9], "steps": [0-9]*' ;;
+  *) echo "usage: $0 gateway|merge|mtp|learning"; exit 2 ;;
 esac

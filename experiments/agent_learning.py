@@ -13,10 +13,20 @@ to --out, and prints them.
       --out=benchmarks/results/agents_learning_cpu.json
 
 --stage=warm only builds the warm start and measures it (greedy and
-sampled reward on held-out tasks): how much room RL has. The runs share
-this process's compilations (m2jax/rl/trainer.py caches its step per
-config), so later runs start at once. benchmarks/notes/agents.md says
-what was chosen and why (the model, the task's size, the warm start).
+sampled reward on held-out tasks, saved in WORKDIR/warm/measured.json): how
+much room RL has. The runs share this process's compilations
+(m2jax/rl/trainer.py caches its step per config), so later runs start at
+once. Every run checkpoints (--checkpoint_every) and resumes where it
+stopped when started again; a finished run is read, not rerun. So the runs
+can be spread over processes (one GPU each) and over several calls:
+
+  python -m experiments.agent_learning --stage=warm ...        # once
+  python -m experiments.agent_learning --agents=whitebox --seeds=0 ...
+  ...                                                          # any order
+  python -m experiments.agent_learning --stage=report --out=... # all runs
+
+benchmarks/notes/agents.md says what was chosen and why (the model, the
+task's size, the warm start).
 """
 
 import dataclasses
@@ -34,6 +44,7 @@ from kernels.tree_attention import TreeAttentionConfig
 from m2jax.agents import whitebox
 from m2jax.config import get_preset
 from m2jax.data import ByteTokenizer, chat
+from m2jax.errors import UserError
 from m2jax.infer.engine import Engine, EngineConfig
 from m2jax.infer.sampling import SamplingParams
 from m2jax.rl import agent_rollout
@@ -44,17 +55,26 @@ from m2jax.rl import step as rl_step
 from m2jax.rl import trainer as trainer_lib
 from m2jax.settings import Settings
 from m2jax.train import sft
+from m2jax.train.checkpoint import write_json
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/agent_learning",
                                "Holds warm/ and one run directory per arm.")
 _OUT = flags.DEFINE_string("out", None, "JSON results.")
-_STAGE = flags.DEFINE_enum("stage", "all", ["warm", "all"], "warm: the warm "
+_STAGE = flags.DEFINE_enum("stage", "all", ["warm", "all", "report"],
+                           "report: collect the finished and partial runs "
+                           "of --agents x --seeds without training; warm: the warm "
                            "start and its measurement only.")
 _AGENTS = flags.DEFINE_list("agents", ["whitebox", "blackbox"], "Arms.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "RL seeds per agent.")
 _FFN = flags.DEFINE_enum("ffn", "dense", ["dense", "moe"], "The tiny "
                          "preset's feed-forward: its MoE, or a dense SwiGLU "
                          "of --dense_intermediate_size (notes: why dense).")
+_HIDDEN = flags.DEFINE_integer("hidden_size", None, "Model width (default: "
+                               "the tiny preset's).")
+_LAYERS = flags.DEFINE_integer("num_layers", None, "Layers (default: the "
+                               "tiny preset's).")
+_CKPT = flags.DEFINE_integer("checkpoint_every", 25, "RL steps between "
+                             "checkpoints (a run resumes from its last).")
 _DENSE = flags.DEFINE_integer("dense_intermediate_size", 128, "Dense FFN "
                               "width.")
 _LEVELS = flags.DEFINE_string("levels", "1", "multiply: digits per operand "
@@ -94,6 +114,10 @@ def model_config():
   if _FFN.value == "dense":
     mcfg = mcfg.replace(ffn_type="dense",
                         dense_intermediate_size=_DENSE.value)
+  if _HIDDEN.value is not None:
+    mcfg = mcfg.replace(hidden_size=_HIDDEN.value)
+  if _LAYERS.value is not None:
+    mcfg = mcfg.replace(num_layers=_LAYERS.value)
   return mcfg
 
 
@@ -107,8 +131,8 @@ def configs(seed: int, agent: str, mcfg):
   run = loop.RLRunConfig(
       env="multiply", env_fields=env_fields(), agent=agent, mode="sync",
       steps=_STEPS.value, groups_per_step=_GROUPS.value,
-      warm_start_steps=0, eval_tasks=0, eval_every=0, checkpoint_every=0,
-      seed=seed)
+      warm_start_steps=0, eval_tasks=0, eval_every=0,
+      checkpoint_every=_CKPT.value, seed=seed)
   return dict(
       train_config=loop.train_config(mcfg, steps=_STEPS.value, seed=seed,
                                      learning_rate=_LR.value,
@@ -173,36 +197,53 @@ def measure(init: sft.Init) -> dict:
 def main(argv):
   del argv
   mcfg = model_config()
-  started = time.time()
-  init = warm_start(mcfg)
-  warm_s = time.time() - started
-  warm = measure(init)
-  warm["seconds"] = warm_s
-  print(json.dumps({"warm_start": warm}, default=str), flush=True)
+  measured = os.path.join(_WORKDIR.value, "warm", "measured.json")
+  if _STAGE.value == "report":
+    if not os.path.exists(measured):
+      raise UserError(f"--stage=report: no warm start in "
+                          f"{_WORKDIR.value} (run --stage=warm first)")
+    init, warm = None, _read_json(measured)
+  else:
+    started = time.time()
+    init = warm_start(mcfg)
+    warm_s = time.time() - started
+    if os.path.exists(measured):  # measured once, by whichever came first
+      warm = _read_json(measured)
+    else:
+      warm = measure(init)
+      warm["seconds"] = warm_s
+      _write_json(measured, warm)
+    print(json.dumps({"warm_start": warm}, default=str), flush=True)
   result = {"device": str(jax.devices()[0]), "model": mcfg.ffn_type,
             "flags": {f: flags.FLAGS[f].value for f in (
-                "ffn", "dense_intermediate_size", "levels", "call_reasoning",
-                "answer_reasoning", "warm_start_steps",
-                "warm_start_learning_rate", "steps", "groups_per_step",
-                "group_size", "learning_rate", "warmup_steps",
-                "max_new_tokens", "max_turns", "row_len")},
+                "ffn", "hidden_size", "num_layers", "dense_intermediate_size",
+                "levels", "call_reasoning", "answer_reasoning",
+                "warm_start_steps", "warm_start_learning_rate", "steps",
+                "groups_per_step", "group_size", "learning_rate",
+                "warmup_steps", "max_new_tokens", "max_turns", "row_len")},
             "warm_start": warm, "runs": []}
-  if _STAGE.value == "all":
+  if _STAGE.value != "warm":
     for agent in _AGENTS.value:
       for seed in map(int, _SEEDS.value):
         workdir = os.path.join(_WORKDIR.value, f"{agent}-s{seed}")
         t0 = time.time()
-        summary = loop.run(mcfg, workdir=workdir, init=init, progress=True,
-                           **configs(seed, agent, mcfg))
-        with open(os.path.join(workdir, "metrics.jsonl"),
-                  encoding="utf-8") as f:
-          rows = [json.loads(line) for line in f]
-        run = {"agent": agent, "seed": seed, "seconds": time.time() - t0,
+        summary = {}
+        if _STAGE.value == "all" and len(_rows(workdir)) < _STEPS.value:
+          # A started run resumes (from its newest checkpoint, or from the
+          # warm start again if it wrote none); --steps may grow.
+          resume = os.path.exists(os.path.join(workdir, "config.json"))
+          summary = loop.run(mcfg, workdir=workdir, init=init, progress=True,
+                             resume=resume, **configs(seed, agent, mcfg))
+        rows = _rows(workdir)
+        if not rows:
+          continue  # --stage=report: not started yet
+        run = {"agent": agent, "seed": seed, "steps": len(rows),
+               "seconds": time.time() - t0,
                "reward": [r["reward_mean"] for r in rows],
                "return": [r["return_mean"] for r in rows],
                "logp_gap": [r.get("policy/logp_gap") for r in rows],
                "entropy": [r["entropy"] for r in rows],
-               "pool": summary["pool"]}
+               "pool": summary.get("pool")}
         result["runs"].append(run)
         print(json.dumps(run), flush=True)
         if _OUT.value:
@@ -212,11 +253,31 @@ def main(argv):
     write(result)
 
 
+def _rows(workdir: str) -> list[dict]:
+  """The run's per-step metrics (none before it starts)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _read_json(path: str) -> dict:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json(path: str, obj) -> None:
+  write_json(path, json.loads(json.dumps(obj, default=str)))
+
+
 def curves(runs) -> dict:
-  """Per agent: the outcome reward per step, mean and std over seeds."""
+  """Per agent: the outcome reward per step, mean and std over seeds (over
+  the steps every seed has reached)."""
   out = {}
   for agent in sorted({r["agent"] for r in runs}):
-    rewards = np.asarray([r["reward"] for r in runs if r["agent"] == agent])
+    ours = [r["reward"] for r in runs if r["agent"] == agent]
+    rewards = np.asarray([r[:min(map(len, ours))] for r in ours])
     out[agent] = {"mean": rewards.mean(0).tolist(),
                   "std": rewards.std(0).tolist(), "seeds": len(rewards)}
   return out
