@@ -3,13 +3,15 @@ r"""Run an ablation sweep (resumable) and write its report.
   python -m experiments.sweep --grid=attention --preset=tiny --steps=300 \
       --seeds=0,1 --sweep_dir=runs/sweep_attention
   python -m experiments.sweep --grid=experts ...   # mtp, experts, gating
+  python -m experiments.sweep --grid=mtp --equal_compute ...  # equal FLOPs
   python -m experiments.sweep --grid=attention --window=32 \
       --mqar_fraction=0.5 --mqar_gaps=0,64 ...   # MQAR inside/beyond SWA
 
 --parallel trains the seeds of each arm as one vmapped program (one
 compile, several small models filling the GPU); the results are the same.
 Rerunning the same command skips finished runs and resumes a killed (or
-Ctrl-C'd) one from its checkpoint. --variants and --seeds choose what runs
+Ctrl-C'd) one from its checkpoint. Commands with different --variants may
+run at once on one --sweep_dir (an arm per GPU). --variants and --seeds choose what runs
 now; results.json and the report always cover every finished run of
 --sweep_dir (python -m experiments.report rewrites the report alone).
 How the steps run is every training script's Settings flags
