@@ -42,7 +42,7 @@ import numpy as np
 
 from m2jax import params as params_lib
 from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
-                          config_to_dict)
+                          config_to_dict, without_moved_fields)
 from m2jax.data import DataConfig, make_tokenizer
 from m2jax.errors import MissingPathError
 from m2jax.eval import mqar, scoring, tasks as tasks_lib
@@ -495,6 +495,15 @@ def _check_same_sweep(sweep_dir: str, base: ModelConfig, cfg: SweepConfig):
     return
   with open(path, encoding="utf-8") as f:
     before = json.load(f)
+  # A field the directory predates was at its default then (equal_compute;
+  # a newer ModelConfig field); fields that moved to Settings are not the
+  # model's.
+  before["sweep"] = {**{k: v for k, v in config_to_dict(SweepConfig(
+      grid=cfg.grid)).items() if k not in _SELECTION_FIELDS},
+                     **before["sweep"]}
+  before["base"] = {**config_to_dict(ModelConfig()),
+                    **without_moved_fields(ModelConfig, before["base"],
+                                           warn=False)}
   for part in ("sweep", "base"):
     changed = sorted(k for k in set(now[part]) | set(before[part])
                      if now[part].get(k) != before[part].get(k))

@@ -69,6 +69,22 @@ def test_equal_compute_gives_an_mtp_arm_fewer_steps_of_equal_flops():
           for v in sweep.make_grid("mtp", base, window=64)} == {400}
 
 
+def test_a_sweep_directory_older_than_a_field_still_resumes(tmp_path):
+  # sweep.json written before SweepConfig.equal_compute (and a ModelConfig
+  # field) existed: they were at their defaults, so the same sweep goes on;
+  # a real difference is still refused.
+  cfg = sweep.SweepConfig(grid="mtp", seq_len=256, eval_lengths=(128,))
+  d = tmp_path / "old"
+  sweep._check_same_sweep(str(d), BASE, cfg)  # writes sweep.json
+  saved = json.loads((d / "sweep.json").read_text())
+  del saved["sweep"]["equal_compute"], saved["base"]["bias_update"]
+  (d / "sweep.json").write_text(json.dumps(saved))
+  sweep._check_same_sweep(str(d), BASE, cfg)
+  with pytest.raises(ConfigError, match="equal_compute=False there, True"):
+    sweep._check_same_sweep(str(d), BASE,
+                            dataclasses.replace(cfg, equal_compute=True))
+
+
 def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
   cfg = sweep.SweepConfig(grid="gating", seeds=(0, 1), steps=4, seq_len=160,
                           batch_size=2, eval_lengths=(128,),
