@@ -12,7 +12,7 @@
 # the router at lr x0.1), gating_sweep (the same two on the 4-layer sweep
 # model, through experiments.sweep). Every arm is one process training its three seeds
 # as one vmapped program (--parallel) into the grid's sweep directory; arms
-# go to the GPUs round-robin (GPUS, default: every GPU nvidia-smi lists), two
+# go to the GPUs (GPUS=0,1,..., default: every GPU nvidia-smi lists), two
 # processes per GPU at most, each with 45% of its memory. Then
 # experiments.report writes each grid's report. Results: $OUT/GRID/.
 # On H100s: mtp and experts ~3 min each, attention_mqar ~20 min per arm,
@@ -27,7 +27,8 @@ python3 -c "import grain" 2>/dev/null || python3 -m pip install -q --no-index \
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-read -ra GPUS <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+IFS=', ' read -ra GPUS <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}"
+(( ${#GPUS[@]} )) || { echo "no GPU (nvidia-smi lists none; or set GPUS=0,1,...)"; exit 2; }
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
 SLOTS=("${GPUS[@]}" "${GPUS[@]}")  # two process slots per GPU
 PIDS=()
@@ -76,6 +77,12 @@ grid_flags() {  # GRID: the sweep flags of that grid
       --examples_per_point=4 ;;
   esac
 }
+for grid in "$@"; do  # every name checked before anything starts
+  [[ $grid == gating || -n ${ARMS[$grid]:-} ]] || {
+    echo "unknown grid $grid (mtp experts attention_mqar attention_lm gating gating_sweep)"
+    exit 2; }
+done
+(( $# )) || { echo "usage: $0 GRID [GRID ...]"; exit 2; }
 mkdir -p "$OUT"
 START=$(date +%s)
 for grid in "$@"; do
@@ -90,7 +97,6 @@ for grid in "$@"; do
     done
     continue
   fi
-  [[ -n ${ARMS[$grid]:-} ]] || { echo "unknown grid $grid"; exit 2; }
   for arm in ${ARMS[$grid]}; do
     # shellcheck disable=SC2046
     launch "$OUT/$grid/$arm.log" python3 -m experiments.sweep \

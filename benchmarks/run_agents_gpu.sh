@@ -16,7 +16,7 @@
 #   benchmarks/run_agents_gpu.sh learning  the learning target: one warm
 #       start, then 3 seeds x {white-box, black-box} RL runs of the tiny dense
 #       model on the multiply task (experiments/agent_learning.py), an arm
-#       per process, two per GPU; resumable (call again until every run has
+#       per process (two per GPU on 4 GPUs); resumable (call again until every run has
 #       STEPS steps), then --stage=report into $OUT/agents_learning.json.
 #
 # Carry .whl (../shared/tools/wheels-for-gpu .whl grain array_record
@@ -79,17 +79,24 @@ case "${1:-gateway}" in
     arm co ${GPU_CO:-0} & arm frozen ${GPU_FROZEN:-1} & wait ;;
   learning)
     STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
     L="--workdir=runs/agent_learning --warm_start_steps=${WARM_STEPS:-400}
       --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-3e-4}
       --steps=$STEPS --groups_per_step=16 --checkpoint_every=10"
     timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
       --stage=warm 2>&1 | quiet | tail -2 | cut -c1-400
+    # The arms start only from a finished warm start (it is measured last).
+    [ -f runs/agent_learning/warm/measured.json ] || {
+      echo "warm start unfinished: call again"; exit 1; }
     read -ra G <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')"
+    (( ${#G[@]} )) || { echo "no GPU"; exit 2; }
+    # Six arms over the GPUs: at most ceil(6 / GPUs) processes share one.
+    per_gpu=$(( (6 + ${#G[@]} - 1) / ${#G[@]} ))
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per_gpu, 2))")
     i=0
     for agent in whitebox blackbox; do
       for seed in 0 1 2; do
         left=$(( BUDGET - ($(date +%s) - T0) ))
+        (( left > 60 )) || { echo "out of budget before $agent s$seed"; break 2; }
         CUDA_VISIBLE_DEVICES=${G[$(( i % ${#G[@]} ))]} timeout -s KILL $left \
           python3 -m experiments.agent_learning $L --agents=$agent \
           --seeds=$seed > "$OUT/learning_${agent}_s$seed.log" 2>&1 &
@@ -97,7 +104,7 @@ case "${1:-gateway}" in
       done
     done
     wait
-    python3 -m experiments.agent_learning $L --stage=report \
+    timeout 120 python3 -m experiments.agent_learning $L --stage=report \
       --out="$OUT/agents_learning.json" 2>&1 | quiet | grep -o \
       '"agent": "[a-z]*", "seed": [0-9], "steps": [0-9]*' ;;
   *) echo "usage: $0 gateway|merge|mtp|learning"; exit 2 ;;

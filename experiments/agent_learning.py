@@ -55,7 +55,9 @@ from m2jax.rl import step as rl_step
 from m2jax.rl import trainer as trainer_lib
 from m2jax.settings import Settings
 from m2jax.train import sft
-from m2jax.train.checkpoint import write_json
+from m2jax.train import state as state_lib
+from m2jax.train.checkpoint import Checkpointer, write_json
+from m2jax.train.checkpoint import abstract as ckpt_abstract
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/agent_learning",
                                "Holds warm/ and one run directory per arm.")
@@ -149,10 +151,19 @@ def configs(seed: int, agent: str, mcfg):
 
 
 def warm_start(mcfg) -> sft.Init:
-  """The shared warm start (in WORKDIR/warm/warm_start; resumed or reused
-  when there)."""
+  """The shared warm start (in WORKDIR/warm/warm_start; resumed when there).
+  A finished one (measured.json written) is read and nothing written, so
+  the runs of several processes can load it at once."""
   directory = os.path.join(_WORKDIR.value, "warm")
   tokenizer = ByteTokenizer()
+  if os.path.exists(os.path.join(directory, "measured.json")):
+    ckpt = Checkpointer(os.path.join(directory, loop.WARM_START_DIR,
+                                     "checkpoints"), keep=1, read_only=True)
+    abstract = ckpt_abstract(state_lib.create_state(
+        mcfg, configs(0, "whitebox", mcfg)["train_config"]))
+    state, _, _ = ckpt.restore(max(ckpt.steps()), abstract)
+    return sft.Init(mcfg, state_lib.variables_of(state), tokenizer,
+                    {"init": "warm start", "steps": _WARM_STEPS.value})
   env = envs.make("multiply", **dict(env_fields()))
   c = configs(0, "whitebox", mcfg)
   agent = agent_rollout.agent_for(env, c["agent_config"], tokenizer)
@@ -238,7 +249,7 @@ def main(argv):
         if not rows:
           continue  # --stage=report: not started yet
         run = {"agent": agent, "seed": seed, "steps": len(rows),
-               "seconds": time.time() - t0,
+               "seconds_this_call": time.time() - t0,
                "reward": [r["reward_mean"] for r in rows],
                "return": [r["return_mean"] for r in rows],
                "logp_gap": [r.get("policy/logp_gap") for r in rows],
@@ -258,8 +269,14 @@ def _rows(workdir: str) -> list[dict]:
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
+  rows = []
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for line in f:
+      try:  # a line cut by a kill mid-write is not a step
+        rows.append(json.loads(line))
+      except ValueError:
+        pass
+  return rows
 
 
 def _read_json(path: str) -> dict:

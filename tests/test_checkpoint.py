@@ -160,3 +160,7 @@ def test_write_json_of_two_writers_at_once_leaves_one_whole_file(tmp_path):
     assert json.load(f) == {"runs": [3]}
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "results.json", "results.json.tmp"]  # ours renamed, the other's left
+  # As readable as open() makes a file (mkstemp's own files are 0600).
+  umask = os.umask(0o022)
+  os.umask(umask)
+  assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask

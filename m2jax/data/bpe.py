@@ -68,7 +68,7 @@ class BpeTokenizer:
 
   def save(self, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, MODEL_FILE + ".tmp")
+    tmp = tokenizer_files.unique_tmp(os.path.join(directory, MODEL_FILE))
     self._hf.save(tmp)
     os.replace(tmp, os.path.join(directory, MODEL_FILE))
     tokenizer_files.write_config(directory, self.kind, self.vocab_size)

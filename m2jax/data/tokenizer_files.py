@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 CONFIG_FILE = "tokenizer_config.json"
 
 
+def unique_tmp(path: str) -> str:
+  """A temporary name beside `path` that no other process or thread writing
+  the same path at once uses (runs sharing a directory save it together)."""
+  return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+
+
 def write_config(directory: str, kind: str, vocab_size: int) -> None:
   """Writes `directory`/CONFIG_FILE atomically (a crash leaves none)."""
-  tmp = os.path.join(directory, CONFIG_FILE + ".tmp")
+  tmp = unique_tmp(os.path.join(directory, CONFIG_FILE))
   with open(tmp, "w") as f:
     json.dump({"kind": kind, "vocab_size": vocab_size}, f, indent=2)
   os.replace(tmp, os.path.join(directory, CONFIG_FILE))

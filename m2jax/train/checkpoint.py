@@ -33,7 +33,9 @@ second may move anything:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -60,6 +62,21 @@ class CheckpointError(RuntimeError):
   """A save did not complete (e.g. a write failed in the background)."""
 
 
+@functools.cache
+def _umask() -> int:
+  """The process's umask, read without setting it (os.umask can only set;
+  a set-and-restore races with other threads creating files): Linux's
+  /proc/self/status, else the common 022."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except OSError:
+    pass
+  return 0o022
+
+
 def write_json(path: str, obj) -> None:
   """Write JSON atomically: a crash leaves the old file or the new one (its
   folder made if missing). Each call writes its own temporary file, so
@@ -70,11 +87,15 @@ def write_json(path: str, obj) -> None:
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
                              suffix=".tmp", dir=folder)
   try:
+    # mkstemp makes the file private (0600); a result file is read by
+    # others as open() would have made it.
+    os.fchmod(fd, 0o666 & ~_umask())
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(obj, f, indent=1)
     os.replace(tmp, path)
   except BaseException:
-    os.unlink(tmp)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(tmp)
     raise
 
 
