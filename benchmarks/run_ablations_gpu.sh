@@ -16,8 +16,9 @@
 # processes per GPU at most, each with 45% of its memory. Then
 # experiments.report writes each grid's report. Results: $OUT/GRID/.
 # On H100s: mtp and experts ~3 min each, attention_lm ~3 min, gating ~3 min
-# per seed; attention_mqar took ~18 min per arm in float32 (the 2026-11-27
-# results), bf16 here (predicted several times faster, not yet measured).
+# per seed; attention_mqar ~18 min per arm (float32 with 32-wide experts:
+# XLA's grouped matmul; benchmarks/notes/mqar.md says why and what would
+# make it faster).
 # EXTRA: flags appended to every run's command (a quick look: EXTRA=--steps=100;
 # bench_router takes --steps too). Carry .whl (grain, array_record,
 # portpicker, tensorboardX) where python3 has no grain.
@@ -66,7 +67,6 @@ grid_flags() {  # GRID: the sweep flags of that grid
       --override=num_experts=16 --override=num_experts_per_tok=4 \
       --override=moe_intermediate_size=128 --steps=800 ;;
     attention_mqar) echo --grid=attention --preset=tiny \
-      --override=compute_dtype=bfloat16 \
       --override=hidden_size=128 --override=num_layers=2 \
       --override=num_mtp_modules=0 --steps=5000 --seq_len=256 --batch_size=64 \
       --learning_rate=1e-3 --window=32 --train_documents=300000 \
