@@ -14,6 +14,9 @@
   context_scores.png  task accuracy (mean over tasks) against context
                       length; only when some run scored above zero (a flat
                       line at zero says nothing a table does not)
+  mqar.png            MQAR accuracy per gap, one bar per arm (mean, the
+                      seeds as dots), chance and the all-SWA reach marked;
+                      only for sweeps that scored MQAR
 Every curve is the mean over seeds with a band from the lowest to the
 highest seed (`plot_series` computes them; the plots only draw).
 
@@ -43,7 +46,7 @@ SIGNIFICANCE = 0.05
 SMOOTH_HALF_WIDTH_DECADES = 0.05
 FILES = {"report": "report.md", "loss_curves": "loss_curves.png",
          "router_balance": "router_balance.png",
-         "context_scores": "context_scores.png"}
+         "context_scores": "context_scores.png", "mqar": "mqar.png"}
 
 
 def _pm(values) -> str:
@@ -214,6 +217,43 @@ def plot_context_scores(results: dict, path: str) -> None:
   plt.close(fig)
 
 
+def _mqar_runs(results: dict) -> dict[str, list[dict]]:
+  """The arms whose every run scored MQAR."""
+  return {name: rs for name, rs in _by_variant(results).items()
+          if all(r.get("mqar") for r in rs)}
+
+
+def plot_mqar(results: dict, path: str) -> None:
+  runs = _mqar_runs(results)
+  first = next(iter(runs.values()))[0]
+  gaps = list(first["mqar"])
+  width = 0.8 / len(runs)
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for a, (name, rs) in enumerate(runs.items()):
+    xs = np.arange(len(gaps)) + (a - (len(runs) - 1) / 2) * width
+    per_seed = np.array([[r["mqar"][g] for g in gaps] for r in rs])
+    ax.bar(xs, per_seed.mean(0), width, label=name, alpha=0.8)
+    for seed_values in per_seed:  # every seed, so a split arm shows
+      ax.plot(xs, seed_values, "o", color="black", markersize=3)
+  ax.axhline(first["mqar_chance"], color="gray", linestyle=":",
+             label=f"chance {first['mqar_chance']:.3f}")
+  ax.set_xticks(range(len(gaps)), [f"gap {g}" for g in gaps])
+  sweep, layers = results["sweep"], results.get("base", {}).get("num_layers")
+  reach = ""
+  if sweep.get("grid") == "attention" and layers:
+    reach = (f"; all-SWA reaches {layers * (sweep['window'] - 1)} tokens "
+             "back")
+  ax.set_ylabel("accuracy on the queried values")
+  ax.set_ylim(0, 1.05)
+  ax.set_title(f"sweep {sweep['grid']}: MQAR, {sweep.get('mqar_pairs')} "
+               f"pairs{reach}\n(bars: mean over seeds; dots: each seed)",
+               fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def markdown(results: dict) -> str:
   """The report's tables as markdown."""
   sweep = results["sweep"]
@@ -317,8 +357,7 @@ def differences_table(results: dict) -> list[str]:
 def mqar_table(results: dict) -> list[str]:
   """Markdown lines: MQAR accuracy (mean ± std over seeds) per arm and gap,
   for sweeps that scored it (SweepConfig.mqar_gaps); else no lines."""
-  runs = {name: rs for name, rs in _by_variant(results).items()
-          if all(r.get("mqar") for r in rs)}
+  runs = _mqar_runs(results)
   if not runs:
     return []
   first = next(iter(runs.values()))[0]
@@ -357,7 +396,8 @@ def write_report(results: dict, out_dir: str) -> dict[str, str]:
   plots = {"router_balance": (plot_balance,
                               bool(plot_series(results)["balance"])),
            "context_scores": (plot_context_scores,
-                              _any_task_solved(results))}
+                              _any_task_solved(results)),
+           "mqar": (plot_mqar, bool(_mqar_runs(results)))}
   for name, (plot, has_data) in plots.items():
     if has_data:
       plot(results, paths[name])

@@ -273,6 +273,16 @@ def test_plots_show_next_token_and_validation_loss_with_seed_bands(tmp_path):
                     grid="attention")
   paths = report.write_report(solved, str(tmp_path / "solved"))
   assert set(paths) == {"report", "loss_curves", "context_scores"}
+  # A sweep that scored MQAR gets its per-gap plot (and only such a sweep).
+  mqar_runs = [dict(_run(v, seed, ce=2.0, balance=False),
+                    mqar={"0": 0.9, "64": acc}, mqar_chance=0.038)
+               for v, acc in (("mtp_off", 1.0), ("mtp_1", 0.04))
+               for seed in (0, 1)]
+  scored = _results(*mqar_runs, grid="attention")
+  scored["sweep"]["mqar_pairs"] = 8
+  paths = report.write_report(scored, str(tmp_path / "mqar"))
+  assert set(paths) == {"report", "loss_curves", "mqar"}
+  assert os.path.getsize(paths["mqar"]) > 1000
 
 
 def test_report_says_whether_each_difference_exceeds_the_seed_spread():
