@@ -118,6 +118,36 @@ def test_blockwise_attention_follows_a_prefix_tree():
   assert not np.allclose(plain[0, 8:13], got[0][0, 8:13], atol=1e-3)
 
 
+def test_tree_rows_on_a_cpu_run_blockwise_not_the_dense_reference():
+  """packed_attention on tree rows with the default tree config, on a CPU
+  (no tree kernel runs): the blockwise path with the tree's intervals, no
+  [T, T] mask, the dense reference's values and gradients; naming
+  backend="xla" still gets the dense reference."""
+  se = np.array(chain_subtree_end(SEG))
+  se[0, 4:8] = 8
+  se = jnp.asarray(se)
+  tree = lambda cfg: lambda q, k, v: attention.packed_attention(
+      q, k, v, SEG, POS, window=None, impl="auto", subtree_end_BxS=se,
+      tree_config=cfg)
+  got = _value_and_grads(tree(None))
+  _assert_close(got, _value_and_grads(
+      lambda q, k, v: _dense(q, k, v, None, subtree_end=se)))
+  # Lowered for a row longer than the blockwise tiles (512): no [L, L].
+  L = 1536
+  seg_long = jnp.ones((1, L), jnp.int32)
+  pos_long = jnp.arange(L, dtype=jnp.int32)[None]
+  se_long = chain_subtree_end(seg_long)
+  def lowered(cfg):
+    f = lambda q, k, v: attention.packed_attention(
+        q, k, v, seg_long, pos_long, window=None, impl="auto",
+        subtree_end_BxS=se_long, tree_config=cfg)
+    spec = lambda heads: jax.ShapeDtypeStruct((1, L, heads, H), jnp.float32)
+    return jax.jit(f).lower(spec(N), spec(K), spec(K)).as_text()
+  assert not _big_arrays(lowered(None), L, 10**9)
+  assert (1, L, L) in _big_arrays(
+      lowered(TreeAttentionConfig(backend="xla")), L, 10**9)
+
+
 def _assert_scaled(got, want, tol):
   """|got - want| <= tol * max|want|, leaf by leaf (bf16-sized errors on
   small gradients)."""

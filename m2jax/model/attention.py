@@ -30,9 +30,13 @@ implementation runs, from `settings.attention`:
                half precision, else XLA) and "blockwise" beyond, so a long
                row never builds [T, T].
 Full layers of tree rows always run "tree" (`settings.tree_attention` picks
-its backend, the dense reference on a CPU by default). A sliding-window
-layer never runs "tree" (the kernels have no window): an explicit "tree"
-gives it "blockwise".
+its backend). Where its "auto" backend finds no kernel to run (a CPU, not
+interpreting) they run "blockwise" with the tree's intervals instead of the
+dense reference: the same values, and it skips the key blocks no query of
+a block can see (an RL step of merged 1,024-token rows on 2 CPU cores: 3.5 s
+against 11.9 s; benchmarks/notes/agents.md). `tree_attention.backend="xla"`
+asks for the dense reference. A sliding-window layer never runs "tree"
+(the kernels have no window): an explicit "tree" gives it "blockwise".
 
 Under a mesh whose "sequence" axis splits rows (context parallelism,
 m2jax/model/context_parallel.py) each device's queries attend to the
@@ -192,8 +196,11 @@ def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
   if impl == "tree":
     subtree_end = (chain_subtree_end(segment_ids_BxT)
                    if subtree_end_BxS is None else subtree_end_BxS)
-    return _tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, subtree_end,
-                           segment_ids_BxT, tree_config)
+    if not _tree_kernels_run(tree_config):
+      impl, subtree_end_BxS = "blockwise", subtree_end
+    else:
+      return _tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, subtree_end,
+                             segment_ids_BxT, tree_config)
   if impl == "blockwise":
     return blockwise_lib.blockwise_attention(
         q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT, positions_BxT,
@@ -237,6 +244,15 @@ def _mesh_spec(mesh, names, shape):
       size *= mesh.shape[a]
     spec.append(axes if axes and dim % size == 0 else None)
   return jax.P(*spec)
+
+
+def _tree_kernels_run(config: TreeAttentionConfig | None) -> bool:
+  """Whether "tree" runs the tree kernels (or the dense reference asked for
+  by name) rather than `auto` falling back to the reference on a machine
+  without them (module docstring)."""
+  config = TreeAttentionConfig() if config is None else config
+  return (config.backend != "auto" or config.interpret
+          or jax.default_backend() == "gpu")
 
 
 def _tree_attention(q, k, v, subtree_end, segment_ids, config):
