@@ -427,6 +427,12 @@ def test_auto_attention_picks_cudnn_only_for_half_precision_on_a_gpu():
   assert pick("auto", jnp.bfloat16, "cpu") == "xla"
   long = dict(length=attention.DENSE_MAX_LEN + 1)
   assert pick("auto", jnp.float32, "cpu", **long) == "blockwise"
+  # On a CPU the dense path is the slower one past one blockwise tile.
+  cpu_long = dict(length=attention.CPU_DENSE_MAX_LEN + 1)
+  assert pick("auto", jnp.float32, "cpu", **cpu_long) == "blockwise"
+  assert pick("auto", jnp.float32, "cpu",
+              length=attention.CPU_DENSE_MAX_LEN) == "xla"
+  assert pick("auto", jnp.bfloat16, "gpu", **w, **cpu_long) == "cudnn"
   assert pick("auto", jnp.bfloat16, "gpu", **w, **long) == "blockwise"
   assert pick("auto", jnp.float32, "gpu", **long) == "blockwise"
   assert pick("cudnn", jnp.float32, "gpu") == "cudnn"   # asked for: kept

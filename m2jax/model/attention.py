@@ -27,8 +27,9 @@ implementation runs, from `settings.attention`:
                fused attention or XLA's reference: short rows, comparison.
   "auto"       full layers: "tree" on a GPU in half precision; otherwise
                the dense mask while T <= DENSE_MAX_LEN (cuDNN on a GPU in
-               half precision, else XLA) and "blockwise" beyond, so a long
-               row never builds [T, T].
+               half precision, else XLA; on a CPU while T <=
+               CPU_DENSE_MAX_LEN, where the dense path stops being faster)
+               and "blockwise" beyond, so a long row never builds [T, T].
 Full layers of tree rows always run "tree" (`settings.tree_attention` picks
 its backend). Where its "auto" backend finds no kernel to run (a CPU, not
 interpreting) they run "blockwise" with the tree's intervals instead of the
@@ -102,6 +103,10 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # kernel applies): [B, N, T, T] float32 logits of 12 heads are 200 MB a row
 # at 2048; beyond it a row runs "blockwise".
 DENSE_MAX_LEN = 2048
+# On a CPU the dense path is also the slower one past one blockwise tile
+# (512): the tiny preset's train step at T = 1,024 ran 2,928 tokens/s dense
+# against 4,974 blockwise on 2 cores (6,018 vs 5,435 at 512, equal at 128).
+CPU_DENSE_MAX_LEN = 512
 IMPLS = ATTENTIONS
 
 
@@ -125,7 +130,7 @@ def attention_impl(impl: str, dtype, backend: str, *,
   elif impl == "auto":
     if window is None and gpu_half:
       chosen = "tree"
-    elif length > DENSE_MAX_LEN:
+    elif length > (CPU_DENSE_MAX_LEN if backend == "cpu" else DENSE_MAX_LEN):
       chosen = "blockwise"
     else:
       chosen = _dense_impl(impl, dtype, backend)
