@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections import defaultdict
 
 import matplotlib
@@ -154,6 +155,12 @@ def _band_note(results: dict) -> str:
           else "one seed")
 
 
+def _save_figure(fig, path: str) -> None:
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot_loss_curves(results: dict, path: str) -> None:
   """Training next-token loss (smoothed) and validation loss, side by side."""
   series = plot_series(results)
@@ -168,9 +175,7 @@ def plot_loss_curves(results: dict, path: str) -> None:
     ax.legend(fontsize=8)
   fig.suptitle(f"sweep {results['sweep']['grid']}: next-token loss "
                f"({_band_note(results)})")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_figure(fig, path)
 
 
 def plot_balance(results: dict, path: str) -> None:
@@ -182,9 +187,7 @@ def plot_balance(results: dict, path: str) -> None:
                f"(mean over layers, smoothed; {_band_note(results)})",
                fontsize=10)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_figure(fig, path)
 
 
 def _any_task_solved(results: dict) -> bool:
@@ -212,9 +215,7 @@ def plot_context_scores(results: dict, path: str) -> None:
   ax.set_title(f"sweep {sweep['grid']}: long-context tasks\n"
                f"({_band_note(results)})", fontsize=10)
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_figure(fig, path)
 
 
 def _mqar_runs(results: dict) -> dict[str, list[dict]]:
@@ -249,9 +250,7 @@ def plot_mqar(results: dict, path: str) -> None:
                f"pairs{reach}\n(bars: mean over seeds; dots: each seed)",
                fontsize=10)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _save_figure(fig, path)
 
 
 def markdown(results: dict) -> str:
@@ -315,7 +314,9 @@ class Difference:
     if a.std() == 0 and b.std() == 0:  # no spread: any difference is real
       p = 1.0 if delta == 0 else 0.0
     else:
-      p = float(stats.ttest_ind(b, a, equal_var=False).pvalue)
+      with warnings.catch_warnings():  # near-equal seeds (accuracy 1.0)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p = float(stats.ttest_ind(b, a, equal_var=False).pvalue)
     return cls(delta, p, p < SIGNIFICANCE)
 
   def cells(self) -> list[str]:
