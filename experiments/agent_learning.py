@@ -58,6 +58,7 @@ from m2jax.train import sft
 from m2jax.train import state as state_lib
 from m2jax.train.checkpoint import Checkpointer, write_json
 from m2jax.train.checkpoint import abstract as ckpt_abstract
+from m2jax.train.metrics import read_metrics
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/agent_learning",
                                "Holds warm/ and one run directory per arm.")
@@ -266,17 +267,9 @@ def main(argv):
 
 def _rows(workdir: str) -> list[dict]:
   """The run's per-step metrics (none before it starts)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     return []
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:  # a line cut by a kill mid-write is not a step
-        rows.append(json.loads(line))
-      except ValueError:
-        pass
-  return rows
+  return read_metrics(workdir)
 
 
 def _read_json(path: str) -> dict:
@@ -285,6 +278,7 @@ def _read_json(path: str) -> dict:
 
 
 def _write_json(path: str, obj) -> None:
+  """write_json of `obj` with what JSON cannot hold as its str()."""
   write_json(path, json.loads(json.dumps(obj, default=str)))
 
 
@@ -301,9 +295,7 @@ def curves(runs) -> dict:
 
 
 def write(result) -> None:
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1, default=str)
+  _write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -338,10 +338,17 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def falls_back_to_reference(cfg: TreeAttentionConfig) -> bool:
+  """Whether `cfg` ("auto", not interpreting, off a GPU) runs the dense XLA
+  reference because no tree kernel runs here (not because it was asked
+  for by name)."""
+  return cfg.backend == "auto" and not cfg.interpret and not _on_gpu()
+
+
 def _resolve_backend(cfg, dtypes, head_dim, scale=1.0):
   ok = mosaic_supported(dtypes, head_dim, scale)
   if cfg.backend == "auto":
-    if not cfg.interpret and not _on_gpu():
+    if falls_back_to_reference(cfg):
       return dataclasses.replace(cfg, backend="xla")
     mosaic = ok and not cfg.interpret and _on_hopper()
     return dataclasses.replace(cfg, backend="mosaic" if mosaic else "triton")

@@ -339,7 +339,7 @@ def differences_table(results: dict) -> list[str]:
          for rs in runs.values() for r in rs):
     metrics.append(("load max/mean",
                     lambda r: r["routing"]["load_max_over_mean"]))
-  if all(r.get("mqar") for rs in runs.values() for r in rs):
+  if len(_mqar_runs(results)) == len(runs):
     metrics += [(f"MQAR gap {g}", lambda r, g=g: r["mqar"][g])
                 for g in base[0]["mqar"]]
   out = ["", f"## Against `{first}`", "",

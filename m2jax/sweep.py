@@ -44,6 +44,7 @@ from m2jax import params as params_lib
 from m2jax.config import (ConfigError, ModelConfig, config_from_dict,
                           config_to_dict, without_moved_fields)
 from m2jax.data import DataConfig, make_tokenizer
+from m2jax.data.tokenizer_files import unique_tmp
 from m2jax.errors import MissingPathError
 from m2jax.eval import mqar, scoring, tasks as tasks_lib
 from m2jax.train import multi
@@ -219,7 +220,7 @@ def _synthetic_data(sweep_dir: str, cfg: SweepConfig) -> tuple[str, str]:
       (paths[1], max(64, cfg.train_documents // 20), 1, 0.0, 0)):
     # Invocations sharing the directory (arms on separate GPUs) may write
     # at once: each its own temporary file; the content is the same.
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = unique_tmp(path)
     docs = tasks_lib.training_documents(n, lengths, seed=seed + 1,
                                         tasks=cfg.eval_tasks,
                                         drill_fraction=drills)
@@ -484,26 +485,30 @@ def _finished_run(sweep_dir: str, variant: str, seed: int) -> dict | None:
 _SELECTION_FIELDS = ("seeds", "variants", "parallel")
 
 
+def _comparable(cfg: SweepConfig, base: ModelConfig) -> dict:
+  """What sweep.json holds: the sweep's config (less what only selects runs)
+  and the base model's."""
+  return {"sweep": {k: v for k, v in config_to_dict(cfg).items()
+                    if k not in _SELECTION_FIELDS},
+          "base": config_to_dict(base)}
+
+
 def _check_same_sweep(sweep_dir: str, base: ModelConfig, cfg: SweepConfig):
   """Refuse to mix runs (and data) of different sweeps in one directory."""
   path = os.path.join(sweep_dir, "sweep.json")
-  now = {"sweep": {k: v for k, v in config_to_dict(cfg).items()
-                   if k not in _SELECTION_FIELDS},
-         "base": config_to_dict(base)}
+  now = _comparable(cfg, base)
   if not os.path.exists(path):
     write_json(path, now)
     return
   with open(path, encoding="utf-8") as f:
-    before = json.load(f)
-  # A field the directory predates was at its default then (equal_compute;
-  # a newer ModelConfig field); fields that moved to Settings are not the
-  # model's.
-  before["sweep"] = {**{k: v for k, v in config_to_dict(SweepConfig(
-      grid=cfg.grid)).items() if k not in _SELECTION_FIELDS},
-                     **before["sweep"]}
-  before["base"] = {**config_to_dict(ModelConfig()),
-                    **without_moved_fields(ModelConfig, before["base"],
-                                           warn=False)}
+    saved = json.load(f)
+  # Read back as this code reads saved configs: a field the directory
+  # predates takes its default (equal_compute; a newer ModelConfig field),
+  # fields that moved to Settings drop out.
+  before = _comparable(
+      config_from_dict(SweepConfig, saved["sweep"]),
+      config_from_dict(ModelConfig, without_moved_fields(
+          ModelConfig, saved["base"], warn=False)))
   for part in ("sweep", "base"):
     changed = sorted(k for k in set(now[part]) | set(before[part])
                      if now[part].get(k) != before[part].get(k))

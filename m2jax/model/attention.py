@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from kernels import blockwise_attention as blockwise_lib
 from kernels.paged_attention import paged_attention
 from kernels.tree_attention import (TreeAttentionConfig, chain_subtree_end,
-                                    tree_attention)
+                                    falls_back_to_reference, tree_attention)
 from m2jax.config import ModelConfig
 from m2jax.model import context_parallel, paged
 from m2jax.model.layers import (RMSNorm, apply_partial_rope, constrain,
@@ -201,7 +201,7 @@ def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
   if impl == "tree":
     subtree_end = (chain_subtree_end(segment_ids_BxT)
                    if subtree_end_BxS is None else subtree_end_BxS)
-    if not _tree_kernels_run(tree_config):
+    if falls_back_to_reference(tree_config or TreeAttentionConfig()):
       impl, subtree_end_BxS = "blockwise", subtree_end
     else:
       return _tree_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, subtree_end,
@@ -249,15 +249,6 @@ def _mesh_spec(mesh, names, shape):
       size *= mesh.shape[a]
     spec.append(axes if axes and dim % size == 0 else None)
   return jax.P(*spec)
-
-
-def _tree_kernels_run(config: TreeAttentionConfig | None) -> bool:
-  """Whether "tree" runs the tree kernels (or the dense reference asked for
-  by name) rather than `auto` falling back to the reference on a machine
-  without them (module docstring)."""
-  config = TreeAttentionConfig() if config is None else config
-  return (config.backend != "auto" or config.interpret
-          or jax.default_backend() == "gpu")
 
 
 def _tree_attention(q, k, v, subtree_end, segment_ids, config):

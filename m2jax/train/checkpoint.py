@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any, Mapping
 
@@ -47,6 +45,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from m2jax.config import ConfigError, config_to_dict, without_moved_fields
+from m2jax.data.tokenizer_files import unique_tmp
 from m2jax.errors import MissingPathError, UserError
 
 log = logging.getLogger(__name__)
@@ -62,35 +61,16 @@ class CheckpointError(RuntimeError):
   """A save did not complete (e.g. a write failed in the background)."""
 
 
-@functools.cache
-def _umask() -> int:
-  """The process's umask, read without setting it (os.umask can only set;
-  a set-and-restore races with other threads creating files): Linux's
-  /proc/self/status, else the common 022."""
-  try:
-    with open("/proc/self/status", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("Umask:"):
-          return int(line.split()[1], 8)
-  except OSError:
-    pass
-  return 0o022
-
-
 def write_json(path: str, obj) -> None:
   """Write JSON atomically: a crash leaves the old file or the new one (its
-  folder made if missing). Each call writes its own temporary file, so
-  processes writing the same path at once (sweep invocations sharing a
-  directory) leave one whole file, never an interleaving."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.",
-                             suffix=".tmp", dir=folder)
+  folder made if missing). Each writer has its own temporary file
+  (tokenizer_files.unique_tmp), so processes writing the same path at once
+  (sweep invocations sharing a directory) leave one whole file, never an
+  interleaving."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = unique_tmp(path)
   try:
-    # mkstemp makes the file private (0600); a result file is read by
-    # others as open() would have made it.
-    os.fchmod(fd, 0o666 & ~_umask())
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
       json.dump(obj, f, indent=1)
     os.replace(tmp, path)
   except BaseException:

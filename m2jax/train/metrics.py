@@ -75,6 +75,13 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """All lines of WORKDIR/metrics.jsonl."""
+  """All lines of WORKDIR/metrics.jsonl; a line that does not parse is the
+  last one, cut by a kill mid-write (as MetricsWriter reads it): left out."""
+  rows = []
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        continue
+  return rows
