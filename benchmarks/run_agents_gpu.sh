@@ -18,6 +18,9 @@
 #       model on the multiply task (experiments/agent_learning.py), an arm
 #       per process (two per GPU on 4 GPUs); resumable (call again until every run has
 #       STEPS steps), then --stage=report into $OUT/agents_learning.json.
+#       GPUS=2,3 keeps the arms to those GPUs; WORKDIR (default
+#       runs/agent_learning) holds the runs; EXTRA: more agent_learning
+#       flags (e.g. --hidden_size=256 --num_layers=4).
 #
 # Carry .whl (../shared/tools/wheels-for-gpu .whl grain array_record
 # portpicker tensorboardX); results land in $OUT.
@@ -78,17 +81,17 @@ case "${1:-gateway}" in
     }
     arm co ${GPU_CO:-0} & arm frozen ${GPU_FROZEN:-1} & wait ;;
   learning)
-    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}
-    L="--workdir=runs/agent_learning --warm_start_steps=${WARM_STEPS:-400}
+    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}; W=${WORKDIR:-runs/agent_learning}
+    L="--workdir=$W --warm_start_steps=${WARM_STEPS:-400}
       --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-3e-4}
-      --steps=$STEPS --groups_per_step=16 --checkpoint_every=10"
-    timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
+      --steps=$STEPS --groups_per_step=16 --checkpoint_every=10 ${EXTRA:-}"
+    IFS=', ' read -ra G <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+    (( ${#G[@]} )) || { echo "no GPU"; exit 2; }
+    CUDA_VISIBLE_DEVICES=${G[0]} timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
       --stage=warm 2>&1 | quiet | tail -2 | cut -c1-400
     # The arms start only from a finished warm start (it is measured last).
-    [ -f runs/agent_learning/warm/measured.json ] || {
+    [ -f $W/warm/measured.json ] || {
       echo "warm start unfinished: call again"; exit 1; }
-    read -ra G <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')"
-    (( ${#G[@]} )) || { echo "no GPU"; exit 2; }
     # Six arms over the GPUs: at most ceil(6 / GPUs) processes share one.
     per_gpu=$(( (6 + ${#G[@]} - 1) / ${#G[@]} ))
     export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per_gpu, 2))")
@@ -104,7 +107,7 @@ case "${1:-gateway}" in
       done
     done
     wait
-    timeout 120 python3 -m experiments.agent_learning $L --stage=report \
+    CUDA_VISIBLE_DEVICES=${G[0]} timeout 120 python3 -m experiments.agent_learning $L --stage=report \
       --out="$OUT/agents_learning.json" 2>&1 | quiet | grep -o \
       '"agent": "[a-z]*", "seed": [0-9], "steps": [0-9]*' ;;
   *) echo "usage: $0 gateway|merge|mtp|learning"; exit 2 ;;

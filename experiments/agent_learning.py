@@ -86,6 +86,13 @@ _CALL_THINK = flags.DEFINE_string("call_reasoning", "Calculate.",
                                   "The demonstration's first think block.")
 _ANSWER_THINK = flags.DEFINE_string("answer_reasoning", "Answer.",
                                     "The demonstration's last think block.")
+_DEMO_CORRECT = flags.DEFINE_float(
+    "demo_correct_fraction", 1.0, "multiply: the share of SFT "
+    "demonstrations answering with the tool's result (the rest answer "
+    "another product: the warm start learns the protocol, RL to read the "
+    "result).")
+_KL = flags.DEFINE_float("kl_coef", 0.0, "RL: weight of the KL to the warm "
+                         "start (0: off).")
 _WARM_STEPS = flags.DEFINE_integer("warm_start_steps", 150, "SFT steps.")
 _WARM_LR = flags.DEFINE_float("warm_start_learning_rate", 3e-3, "SFT lr.")
 _STEPS = flags.DEFINE_integer("steps", 30, "RL steps per run.")
@@ -127,7 +134,8 @@ def model_config():
 def env_fields():
   return (("levels", tuple(int(x) for x in _LEVELS.value.split(","))),
           ("call_reasoning", _CALL_THINK.value),
-          ("answer_reasoning", _ANSWER_THINK.value))
+          ("answer_reasoning", _ANSWER_THINK.value),
+          ("demo_correct_fraction", _DEMO_CORRECT.value))
 
 
 def configs(seed: int, agent: str, mcfg):
@@ -141,7 +149,8 @@ def configs(seed: int, agent: str, mcfg):
                                      learning_rate=_LR.value,
                                      warmup_steps=_WARMUP.value),
       run_config=run,
-      rl_config=rl_step.RLConfig(mtp_depth=mcfg.num_mtp_modules),
+      rl_config=rl_step.RLConfig(mtp_depth=mcfg.num_mtp_modules,
+                                 kl_coef=_KL.value),
       rollout_config=rollout_lib.RolloutConfig(
           group_size=_GROUP_SIZE.value, max_new_tokens=_MAX_NEW.value),
       trainer_config=trainer_lib.TrainerConfig(row_len=_ROW_LEN.value),
@@ -230,6 +239,7 @@ def main(argv):
             "flags": {f: flags.FLAGS[f].value for f in (
                 "ffn", "hidden_size", "num_layers", "dense_intermediate_size",
                 "levels", "call_reasoning", "answer_reasoning",
+                "demo_correct_fraction", "kl_coef",
                 "warm_start_steps", "warm_start_learning_rate", "steps",
                 "groups_per_step", "group_size", "learning_rate",
                 "warmup_steps", "max_new_tokens", "max_turns", "row_len")},

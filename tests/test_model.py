@@ -441,6 +441,44 @@ def test_auto_attention_picks_cudnn_only_for_half_precision_on_a_gpu():
   assert pick("xla", jnp.float32, "cpu", tree=True) == "tree"
 
 
+def test_cudnn_mask_gets_every_head_only_under_vmap(monkeypatch):
+  """JAX's batching rule for cuDNN attention reshapes a mapped mask to
+  [V * B, N, T, S] and fails on a one-head mask (a vmapped sweep with a
+  sliding-window layer crashed on a GPU). The mask cuDNN sees: one head
+  unmapped, every head under vmap (also under grad), same values. cuDNN
+  itself is replaced by the XLA implementation (no GPU here)."""
+  seen = []
+  real = jax.nn.dot_product_attention
+
+  def fake(q, k, v, *, mask, implementation):
+    assert implementation == "cudnn"
+    seen.append(mask.shape)
+    return real(q, k, v, mask=mask, implementation="xla")
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+  B, T, N, K, H, V = 2, 8, 4, 2, 16, 3
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (V, B, T, N, H))
+  k, v = (jax.random.normal(x, (V, B, T, K, H)) for x in keys[1:])
+  pos = jnp.arange(T)
+  mask = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 3)
+  masks = jnp.stack([jnp.broadcast_to(mask, (B, T, T)) & (pos < T - i)
+                     for i in range(V)])   # [V, B, T, T], mapped
+  attend = functools.partial(attention.dot_product_attention, impl="cudnn")
+  want = jax.vmap(functools.partial(attention.dot_product_attention,
+                                    impl="xla"))(q, k, v, masks)
+  got = jax.vmap(attend)(q, k, v, masks)
+  assert seen[-1] == (B, N, T, T)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  grad = jax.jit(jax.vmap(jax.grad(lambda q, m: attend(q, k[0], v[0], m)
+                                   .sum())))(q, masks)
+  assert seen[-1] == (B, N, T, T) and grad.shape == q.shape
+  attend(q[0], k[0], v[0], masks[0])   # unmapped: the shared one-head mask
+  assert seen[-1] == (B, 1, T, T)
+  jax.vmap(attend, in_axes=(0, 0, 0, None))(q, k, v, masks[0])
+  assert seen[-1] == (B, 1, T, T)       # a mask shared by the mapped models
+
+
 def test_token_copies_gradient_is_a_gather_not_a_scatter_add():
   """moe.token_copies (the dispatch's x[order // K]) equals jnp.take in
   value and gradient, and its gradient has no scatter-add: each token's K

@@ -141,6 +141,30 @@ def test_multiply_tasks_and_verifier():
     envs.make("multiply", call_reasoning=None)
 
 
+def test_demonstrations_answer_wrong_at_the_asked_fraction():
+  """demo_correct_fraction: that share of demonstrations answer with the
+  tool's result, the rest another product of the same level (fixed per
+  prompt); the tool call itself is always the right one."""
+  rng = np.random.default_rng(1)
+  half = envs.make("multiply", levels=(2,), demo_correct_fraction=0.5)
+  tasks = [half.sample(rng) for _ in range(400)]
+  right = [half.verify(t, half.demonstration(t)).correct for t in tasks]
+  assert 0.4 < np.mean(right) < 0.6
+  for t in tasks[:50]:
+    answer = half.demonstration(t)
+    assert answer == half.demonstration(t) and answer.isdigit()
+    assert len(answer) <= 4   # a product of two 2-digit numbers
+    call = half.demonstration_messages(t)[1]["tool_calls"][0]
+    assert call["arguments"]["expression"] == half.expression(t)
+  never = envs.make("multiply", levels=(2,), demo_correct_fraction=0.0)
+  assert sum(never.verify(t, never.demonstration(t)).correct
+             for t in tasks) < 20   # only chance collisions
+  assert all(ENV.verify(t, ENV.demonstration(t)).correct for t in tasks)
+  with pytest.raises(config_lib.ConfigError,
+                     match="Multiply.demo_correct_fraction: must be in"):
+    envs.make("multiply", demo_correct_fraction=1.5)
+
+
 def test_demonstration_is_a_solved_conversation_the_agent_reproduces():
   """The demonstration verifies to 1, renders through the chat template and
   the SFT data with every assistant turn (tool call, answer) trained and

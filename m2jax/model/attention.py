@@ -50,6 +50,7 @@ import functools
 
 import flax.linen as nn
 import jax
+from jax import custom_batching
 import jax.numpy as jnp
 
 from kernels import blockwise_attention as blockwise_lib
@@ -156,7 +157,31 @@ def dot_product_attention(q, k, v, mask_BxTxS, *, impl: str):
   if impl == "xla":
     return dot_product_attention_xla(q, k, v, mask_BxTxS)
   return jax.nn.dot_product_attention(
-      q, k, v, mask=mask_BxTxS[:, None], implementation="cudnn")
+      q, k, v, mask=cudnn_mask(mask_BxTxS, q.shape[2]), implementation="cudnn")
+
+
+def cudnn_mask(mask_BxTxS, num_heads: int):
+  """The [B, 1, T, S] mask cuDNN's attention takes, every head sharing it.
+
+  Under vmap (a sweep's models trained as one program) a mapped mask gets
+  all `num_heads` heads instead: JAX's batching rule for cuDNN attention
+  (jax 0.11.2) reshapes a mapped mask to [V * B, N, T, S] and fails on one
+  head ("cannot reshape array of shape (3, 32, 1, 1024, 1024)"). The
+  mask carries no gradient, so the custom vmap rule is safe under grad.
+  """
+  @custom_batching.custom_vmap
+  def shared(mask):
+    return mask[:, None]
+
+  @shared.def_vmap
+  def per_head(axis_size, in_batched, mask):
+    del axis_size
+    if not in_batched[0]:
+      return shared(mask), False
+    V, B, T, S = mask.shape
+    return jnp.broadcast_to(mask[:, :, None], (V, B, num_heads, T, S)), True
+
+  return shared(mask_BxTxS)
 
 
 def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,

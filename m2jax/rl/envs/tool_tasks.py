@@ -50,6 +50,7 @@ import dataclasses
 import math
 import numbers
 import re
+import zlib
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -79,6 +80,11 @@ class Multiply:
   # tiny byte-level model copies nearer to where it writes them.
   call_reasoning: str = CALL_REASONING
   answer_reasoning: str = ANSWER_REASONING
+  # The fraction of demonstrations (the SFT warm start's data) that answer
+  # with the tool's result; the rest answer another task's product of the
+  # same level. Below 1 the warm start learns the protocol (call, then
+  # answer a number) but not to read the result: that is left to RL.
+  demo_correct_fraction: float = 1.0
   call_s: float = 1.0                    # simulated seconds per model call
   latency_median_s: float = 1.0          # a tool call's median at level 1
   latency_growth: float = 1.0            # median factor per level
@@ -92,6 +98,10 @@ class Multiply:
     for field in ("tool_description", "call_reasoning", "answer_reasoning"):
       if not isinstance(getattr(self, field), str):
         base.fail(self, field, "must be a string", getattr(self, field))
+    if not (_real(self.demo_correct_fraction)
+            and 0 <= self.demo_correct_fraction <= 1):
+      base.fail(self, "demo_correct_fraction", "must be in [0, 1]",
+                self.demo_correct_fraction)
     if not (_real(self.call_s) and self.call_s >= 0):
       base.fail(self, "call_s", "must be >= 0", self.call_s)
     base.check_latency(self)
@@ -141,7 +151,14 @@ class Multiply:
     return f"{match[1]}*{match[2]}"
 
   def demonstration(self, task: base.Task) -> str:
-    return task.answer
+    """The answer a demonstration gives: the product, or (for a fraction
+    1 - demo_correct_fraction of tasks, fixed per prompt) the product of
+    another pair of operands of the same level."""
+    rng = np.random.default_rng(zlib.crc32(task.prompt.encode()))
+    if rng.random() < self.demo_correct_fraction:
+      return task.answer
+    a, b = (_number(rng, task.difficulty) for _ in range(2))
+    return str(int(a) * int(b))
 
   def demonstration_messages(self, task: base.Task) -> list[dict]:
     expression = self.expression(task)
