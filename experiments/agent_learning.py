@@ -7,7 +7,8 @@ agents/blackbox_agent.py through the recording gateway) and each seed the
 same RL run from it: same flags, the seed picking the tasks and the
 sampling (the two agents see the same tasks and seeds). Writes every run's
 per-step outcome reward and the curves' mean and std over seeds per agent
-to --out, and prints them.
+to --out (and their plot next to it, .png), with the two agents compared
+per 25-step window (Welch's t-test over seeds), and prints them.
 
   python -m experiments.agent_learning --workdir=runs/agent_learning \
       --out=benchmarks/results/agents_learning_cpu.json
@@ -41,6 +42,7 @@ from absl import flags
 from experiments import cli
 from kernels.paged_attention import PagedAttentionConfig
 from kernels.tree_attention import TreeAttentionConfig
+from m2jax import report
 from m2jax.agents import whitebox
 from m2jax.config import get_preset
 from m2jax.data import ByteTokenizer, chat
@@ -270,7 +272,7 @@ def main(argv):
         print(json.dumps(run), flush=True)
         if _OUT.value:
           write(result)
-    result["curves"] = curves(result["runs"])
+    result["curves"] = report.agent_curves(result["runs"])
   if _OUT.value:
     write(result)
 
@@ -292,20 +294,11 @@ def _write_json(path: str, obj) -> None:
   write_json(path, json.loads(json.dumps(obj, default=str)))
 
 
-def curves(runs) -> dict:
-  """Per agent: the outcome reward per step, mean and std over seeds (over
-  the steps every seed has reached)."""
-  out = {}
-  for agent in sorted({r["agent"] for r in runs}):
-    ours = [r["reward"] for r in runs if r["agent"] == agent]
-    rewards = np.asarray([r[:min(map(len, ours))] for r in ours])
-    out[agent] = {"mean": rewards.mean(0).tolist(),
-                  "std": rewards.std(0).tolist(), "seeds": len(rewards)}
-  return out
-
-
 def write(result) -> None:
   _write_json(_OUT.value, result)
+  if result.get("runs"):
+    report.plot_agent_curves(result,
+                             os.path.splitext(_OUT.value)[0] + ".png")
 
 
 if __name__ == "__main__":

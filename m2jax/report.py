@@ -385,6 +385,69 @@ def mqar_table(results: dict) -> list[str]:
   return out
 
 
+# Steps per window of the agents' comparison (agent_curves).
+AGENT_WINDOW = 25
+
+
+def agent_curves(runs) -> dict:
+  """experiments.agent_learning's runs ({"agent", "seed", "reward": per
+  step}): per agent, the outcome reward per step, mean and std over seeds (over
+  the steps every seed has reached). With both agents, "windows": over the
+  steps every run has reached, per window of AGENT_WINDOW steps, each agent's
+  mean reward (a seed's mean over the window, then over seeds), black-box
+  minus white-box and Welch's t-test over seeds (report.Difference): the
+  "within seed noise" test of the target."""
+  out = {}
+  for agent in sorted({r["agent"] for r in runs}):
+    ours = [r["reward"] for r in runs if r["agent"] == agent]
+    rewards = np.asarray([r[:min(map(len, ours))] for r in ours])
+    out[agent] = {"mean": rewards.mean(0).tolist(),
+                  "std": rewards.std(0).tolist(), "seeds": len(rewards)}
+  if {"whitebox", "blackbox"} <= set(out):
+    common = min(len(r["reward"]) for r in runs)
+    per_seed = {a: np.asarray([r["reward"][:common] for r in runs
+                               if r["agent"] == a])
+                for a in ("whitebox", "blackbox")}
+    out["windows"] = []
+    for lo in range(0, common - AGENT_WINDOW + 1, AGENT_WINDOW):
+      w, b = (per_seed[a][:, lo:lo + AGENT_WINDOW].mean(1)
+              for a in ("whitebox", "blackbox"))
+      diff = Difference.of(w, b)
+      out["windows"].append({
+          "steps": [lo + 1, lo + AGENT_WINDOW], "whitebox": float(w.mean()),
+          "blackbox": float(b.mean()), "difference": diff.delta,
+          "p": diff.p, "exceeds_spread": diff.exceeds_spread})
+  return out
+
+
+def plot_agent_curves(result, path: str) -> None:
+  """Each agent's reward per step (a 10-step moving average), the mean over
+  seeds with the band from the lowest to the highest seed."""
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for agent, colour in (("whitebox", "C0"), ("blackbox", "C1")):
+    ours = [r["reward"] for r in result["runs"] if r["agent"] == agent]
+    if not ours:
+      continue
+    n = min(map(len, ours))
+    kernel = np.ones(min(10, n)) / min(10, n)
+    smooth = np.asarray([np.convolve(r[:n], kernel, "valid") for r in ours])
+    steps = np.arange(len(smooth[0])) + len(kernel)
+    ax.plot(steps, smooth.mean(0), color=colour,
+            label=f"{agent} ({len(ours)} seeds)")
+    ax.fill_between(steps, smooth.min(0), smooth.max(0), color=colour,
+                    alpha=0.2)
+  warm = result.get("warm_start") or {}
+  if "sampled_reward" in warm:
+    ax.axhline(warm["sampled_reward"], color="grey", ls=":",
+               label="warm start (sampled)")
+  ax.set(xlabel="RL step", ylabel="outcome reward (10-step average)",
+         ylim=(-0.02, 1.02), title="multiply with the calculator: "
+         "white-box vs black-box agent")
+  ax.legend(loc="lower right")
+  _save_figure(fig, path)
+
+
+
 def write_report(results: dict, out_dir: str) -> dict[str, str]:
   """Write report.md and the plots that have data into `out_dir`; returns
   {name: path} of what was written (a plot without data is removed, so an

@@ -344,3 +344,37 @@ def test_sweep_cli_takes_the_settings_flags(flag, message):
   assert proc.returncode != 0
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+
+
+def test_agent_curves_compare_the_agents_per_window(tmp_path):
+  """agent_learning's report: per agent the mean and std over seeds of the
+  steps every seed reached; per 25-step window over the steps every run
+  reached, black-box minus white-box with Welch's t over seeds: equal
+  curves are within the spread, a shifted one is beyond it. The plot is
+  written."""
+  rng = np.random.default_rng(0)
+  ramp = np.minimum(np.arange(60) / 30, 1.0)
+
+  def runs(shift):
+    out = []
+    for seed in range(3):
+      for agent, extra, steps in (("whitebox", 0.0, 60), ("blackbox", shift, 55)):
+        noise = rng.normal(0, 0.02, steps)
+        out.append({"agent": agent, "seed": seed,
+                    "reward": (ramp[:steps] * 0.8 + extra + noise).tolist()})
+    return out
+
+  same = report.agent_curves(runs(0.0))
+  assert same["whitebox"]["seeds"] == 3 and len(same["whitebox"]["mean"]) == 60
+  assert len(same["blackbox"]["mean"]) == 55
+  assert [w["steps"] for w in same["windows"]] == [[1, 25], [26, 50]]
+  assert not any(w["exceeds_spread"] for w in same["windows"])
+  shifted = report.agent_curves(runs(-0.2))
+  assert all(w["exceeds_spread"] for w in shifted["windows"])
+  assert np.isclose(shifted["windows"][1]["difference"], -0.2, atol=0.03)
+  assert "windows" not in report.agent_curves(
+      [r for r in runs(0.0) if r["agent"] == "whitebox"])
+  path = str(tmp_path / "curves.png")
+  report.plot_agent_curves({"runs": runs(0.0), "warm_start": {
+      "sampled_reward": 0.1}}, path)
+  assert os.path.getsize(path) > 1000
