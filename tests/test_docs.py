@@ -212,6 +212,12 @@ COMMANDS = {
     "attention_lm gating": Skip(
         GPU + "three seeds of every grid; tests/test_sweep.py runs grids, "
         "--parallel and --equal_compute at tiny shapes"),
+    "python -m experiments.agent_learning": Skip(
+        GPU + "six RL runs of hundreds of steps (hours each on 2 cores); "
+        "tests/test_rl_agent.py and tests/test_rl_blackbox.py run both "
+        "agents' RL loops at tiny shapes, tests/test_sweep.py its report"),
+    "benchmarks/run_agents_gpu.sh learning": Skip(
+        GPU + "runs experiments.agent_learning on a device machine"),
     "benchmarks/run_sweep_vmap_gpu.sh step|sweep": Skip(
         GPU + "times N models in one vmapped program; tests/test_multi.py "
         "and the sweep test's --parallel arm run it on CPU"),
