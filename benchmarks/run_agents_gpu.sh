@@ -15,12 +15,15 @@
 #       H100 ~0.55 s a step after ~200 s of compiling). BUDGET s per call.
 #   benchmarks/run_agents_gpu.sh learning  the learning target: one warm
 #       start, then 3 seeds x {white-box, black-box} RL runs of the tiny dense
-#       model on the multiply task (experiments/agent_learning.py), an arm
-#       per process (two per GPU on 4 GPUs); resumable (call again until every run has
-#       STEPS steps), then --stage=report into $OUT/agents_learning.json.
-#       GPUS=2,3 keeps the arms to those GPUs; WORKDIR (default
-#       runs/agent_learning) holds the runs; EXTRA: more agent_learning
-#       flags (e.g. --hidden_size=256 --num_layers=4).
+#       model widened to 4 x 256 (MODEL) on the multiply task
+#       (experiments/agent_learning.py) at lr 1e-4 (LR; 3e-4 collapsed 2 of
+#       3 seeds), an arm per process (ceil(6 / GPUs) per GPU); resumable
+#       (call again until every run has STEPS steps), then --stage=report
+#       into $OUT/agents_learning.json and .png. GPUS=2,3 keeps the arms to
+#       those GPUs; WORKDIR (default runs/agent_learning) holds the runs;
+#       EXTRA: more agent_learning flags. The 2026-11-27 runs
+#       (benchmarks/results/agents_learning/lr1e-4_h100.*): three calls of
+#       ~9 minutes with three runs per GPU on GPUs 2-3 of a 4-GPU host.
 #
 # Carry .whl (../shared/tools/wheels-for-gpu .whl grain array_record
 # portpicker tensorboardX); results land in $OUT.
@@ -83,8 +86,9 @@ case "${1:-gateway}" in
   learning)
     STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}; W=${WORKDIR:-runs/agent_learning}
     L="--workdir=$W --warm_start_steps=${WARM_STEPS:-400}
-      --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-3e-4}
-      --steps=$STEPS --groups_per_step=16 --checkpoint_every=10 ${EXTRA:-}"
+      --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-1e-4}
+      ${MODEL:---hidden_size=256 --num_layers=4} --steps=$STEPS
+      --groups_per_step=16 --checkpoint_every=5 ${EXTRA:-}"
     IFS=', ' read -ra G <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
     (( ${#G[@]} )) || { echo "no GPU"; exit 2; }
     CUDA_VISIBLE_DEVICES=${G[0]} timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
