@@ -389,6 +389,14 @@ def mqar_table(results: dict) -> list[str]:
 AGENT_WINDOW = 25
 
 
+def _rewards(runs, agent: str, steps: int | None = None) -> np.ndarray:
+  """[seeds, steps] outcome rewards of `agent`'s runs, cut to `steps`
+  (default: the most every one of its seeds reached)."""
+  ours = [r["reward"] for r in runs if r["agent"] == agent]
+  steps = min(map(len, ours)) if steps is None else steps
+  return np.asarray([r[:steps] for r in ours])
+
+
 def agent_curves(runs) -> dict:
   """experiments.agent_learning's runs ({"agent", "seed", "reward": per
   step}): per agent, the outcome reward per step, mean and std over seeds (over
@@ -399,19 +407,15 @@ def agent_curves(runs) -> dict:
   "within seed noise" test of the target."""
   out = {}
   for agent in sorted({r["agent"] for r in runs}):
-    ours = [r["reward"] for r in runs if r["agent"] == agent]
-    rewards = np.asarray([r[:min(map(len, ours))] for r in ours])
+    rewards = _rewards(runs, agent)
     out[agent] = {"mean": rewards.mean(0).tolist(),
                   "std": rewards.std(0).tolist(), "seeds": len(rewards)}
   if {"whitebox", "blackbox"} <= set(out):
     common = min(len(r["reward"]) for r in runs)
-    per_seed = {a: np.asarray([r["reward"][:common] for r in runs
-                               if r["agent"] == a])
-                for a in ("whitebox", "blackbox")}
+    white, black = (_rewards(runs, a, common) for a in ("whitebox", "blackbox"))
     out["windows"] = []
     for lo in range(0, common - AGENT_WINDOW + 1, AGENT_WINDOW):
-      w, b = (per_seed[a][:, lo:lo + AGENT_WINDOW].mean(1)
-              for a in ("whitebox", "blackbox"))
+      w, b = (x[:, lo:lo + AGENT_WINDOW].mean(1) for x in (white, black))
       diff = Difference.of(w, b)
       out["windows"].append({
           "steps": [lo + 1, lo + AGENT_WINDOW], "whitebox": float(w.mean()),
@@ -424,16 +428,16 @@ def plot_agent_curves(result, path: str) -> None:
   """Each agent's reward per step (a 10-step moving average), the mean over
   seeds with the band from the lowest to the highest seed."""
   fig, ax = plt.subplots(figsize=(7, 4))
+  agents = {r["agent"] for r in result["runs"]}
   for agent, colour in (("whitebox", "C0"), ("blackbox", "C1")):
-    ours = [r["reward"] for r in result["runs"] if r["agent"] == agent]
-    if not ours:
+    if agent not in agents:
       continue
-    n = min(map(len, ours))
-    kernel = np.ones(min(10, n)) / min(10, n)
-    smooth = np.asarray([np.convolve(r[:n], kernel, "valid") for r in ours])
-    steps = np.arange(len(smooth[0])) + len(kernel)
+    rewards = _rewards(result["runs"], agent)
+    kernel = np.ones(min(10, rewards.shape[1])) / min(10, rewards.shape[1])
+    smooth = np.asarray([np.convolve(r, kernel, "valid") for r in rewards])
+    steps = np.arange(smooth.shape[1]) + len(kernel)
     ax.plot(steps, smooth.mean(0), color=colour,
-            label=f"{agent} ({len(ours)} seeds)")
+            label=f"{agent} ({len(rewards)} seeds)")
     ax.fill_between(steps, smooth.min(0), smooth.max(0), color=colour,
                     alpha=0.2)
   warm = result.get("warm_start") or {}
@@ -445,7 +449,6 @@ def plot_agent_curves(result, path: str) -> None:
          "white-box vs black-box agent")
   ax.legend(loc="lower right")
   _save_figure(fig, path)
-
 
 
 def write_report(results: dict, out_dir: str) -> dict[str, str]:

@@ -173,11 +173,9 @@ def cudnn_mask(mask_BxTxS, num_heads: int):
   def shared(mask):
     return mask[:, None]
 
-  @shared.def_vmap
+  @shared.def_vmap  # called only when the mask is mapped
   def per_head(axis_size, in_batched, mask):
-    del axis_size
-    if not in_batched[0]:
-      return shared(mask), False
+    del axis_size, in_batched
     V, B, T, S = mask.shape
     return jnp.broadcast_to(mask[:, :, None], (V, B, num_heads, T, S)), True
 
