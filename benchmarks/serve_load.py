@@ -33,34 +33,74 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_server(serve_args: list[str], *, timeout: float = 900.0):
+def start_server(serve_args: list[str], *, timeout: float = 900.0,
+                 log_path: str | None = None):
   """(process, base URL, API key, its first output line, model name) of
-  `python -m experiments.serve` on a free loopback port."""
+  `python -m experiments.serve` on a free loopback port. With `log_path`
+  the server's output goes to that file (nothing can block on a full pipe)
+  and every JAX compilation is logged in it (`compiles_in`)."""
   port, key = free_port(), secrets.token_hex(16)
   cmd = [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1",
          f"--port={port}", "--log_level=warning", *serve_args]
   env = {**os.environ, "M2JAX_API_KEY": key}
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  if log_path:
+    env["JAX_LOG_COMPILES"] = "1"
+    log = open(log_path, "w")  # pylint: disable=consider-using-with
+    proc = subprocess.Popen(cmd, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    log.close()
+  else:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.time() + timeout
-  banner = proc.stdout.readline().strip()
+  banner = None
   import requests  # pylint: disable=import-outside-toplevel
   while True:
     if proc.poll() is not None:
+      tail = (open(log_path).read() if log_path else proc.stdout.read())
       raise RuntimeError(f"experiments.serve exited ({proc.returncode}): "
-                         f"{banner} {proc.stdout.read()[-2000:]}")
+                         f"{tail[-2000:]}")
+    if banner is None:
+      banner = _first_line(proc, log_path)
     try:
       r = requests.get(url + "/v1/models", timeout=5,
                        headers={"Authorization": f"Bearer {key}"})
       if r.status_code == 200:
-        return proc, url, key, banner, r.json()["data"][0]["id"]
+        return proc, url, key, banner or "", r.json()["data"][0]["id"]
     except requests.ConnectionError:
       pass
     if time.time() > deadline:
       proc.kill()
       raise RuntimeError("experiments.serve did not answer in time")
     time.sleep(0.5)
+
+
+def _first_line(proc, log_path: str | None) -> str | None:
+  """The server's first output line (its banner), once written."""
+  if not log_path:
+    return proc.stdout.readline().strip()
+  with open(log_path) as f:
+    for line in f:
+      # JAX's compile log and warnings come before the banner.
+      if line.startswith("#"):
+        return line.strip()
+  return None
+
+
+def compiles_in(log_path: str, after: int = 0) -> list[str]:
+  """The JAX compilations a server logged (`start_server(log_path=...)`)
+  past byte `after` of its log: one line each, the function and shapes."""
+  with open(log_path, errors="replace") as f:
+    f.seek(after)
+    lines = [line.strip() for line in f if "Compiling " in line]
+  # The variables' shapes come first; the batch's own arrays last.
+  out = []
+  for line in lines:
+    shapes = line.split(". Argument mapping")[0]
+    out.append(line[line.index("Compiling "):].split(" with ")[0] + " ... "
+               + shapes[-240:])
+  return out
 
 
 def stop_server(proc) -> None:
