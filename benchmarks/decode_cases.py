@@ -50,21 +50,19 @@ def floor_bytes(cfg: ModelConfig, batch: int, context: int) -> dict:
 def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
                 new_tokens: int, page_size: int = 64, mtp_draft: int = 0,
                 decode_steps: int = 1, seed: int = 0, prompts=None,
-                profile: bool = False, xla_options: bool = True) -> dict:
+                profile: bool = False) -> dict:
   """Greedy decode of `prompts` (default: `batch` random ones), at most
   `batch` at a time: the time of one decode step (a token for every row),
   from the engine steps after the first few that admit no request
   (compilation and prefill excluded). `profile`: one warm decode call is
-  traced instead (benchmarks.profile: device time per XLA op), not timed.
-  `xla_options`: EngineConfig.xla_options (False: XLA's defaults)."""
+  traced instead (benchmarks.profile: device time per XLA op), not timed."""
   rng = np.random.default_rng(seed)
   prompts = prompts or [list(rng.integers(3, cfg.vocab_size, prompt))
                         for _ in range(batch)]
   pages = batch * (-(-(prompt + new_tokens + mtp_draft + 1) // page_size)) + 2
   eng = Engine(cfg, variables, EngineConfig(
       page_size=page_size, num_pages=pages, max_batch=batch,
-      prefill_chunk=1024, mtp_draft=mtp_draft, decode_steps=decode_steps,
-      xla_options=xla_options))
+      prefill_chunk=1024, mtp_draft=mtp_draft, decode_steps=decode_steps))
   rids = [eng.add_request(p, SamplingParams(temperature=0,
                                             max_tokens=new_tokens))
           for p in prompts]
@@ -87,7 +85,6 @@ def time_engine(cfg: ModelConfig, variables, *, batch: int, prompt: int,
   tps = float(np.sum(tokens[warm:]) / np.sum(times[warm:]))
   out = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens,
          "mtp_draft": mtp_draft, "decode_steps_per_call": decode_steps,
-         "xla_options": xla_options,
          "prefill_and_compile_s": prefill_s, "engine_calls": len(times),
          "step_ms": 1e3 * batch / tps, "tokens_per_sec": tps,
          "outputs": [eng.result(r)[0].tokens for r in rids]}

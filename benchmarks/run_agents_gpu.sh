@@ -63,7 +63,7 @@ case "${1:-gateway}" in
     # from it. Each arm resumes where an earlier call left it.
     STEPS=${STEPS:-200}; BUDGET=${BUDGET:-560}
     COMMON="--preset=m2_small --env=arithmetic --env_config=levels=1
-      --steps=$STEPS --groups_per_step=${GROUPS:-16} --group_size=8
+      --steps=$STEPS --groups_per_step=${RL_GROUPS:-16} --group_size=8
       --max_new_tokens=12 --learning_rate=${LR:-1e-4} --mtp_draft=1
       --eval_every=0 --checkpoint_every=10 --max_batch=128 --num_pages=4096"
     arm() {  # name gpu

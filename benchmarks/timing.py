@@ -108,12 +108,14 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> dict:
 
 
 def run_header() -> dict:
-  """{date, device, jax, flags} of a benchmark run: the values of every flag
-  the running script defines (absl files them under its path)."""
+  """{date, device, jax, xla_flags, flags} of a benchmark run: the values
+  of every flag the running script defines (absl files them under its
+  path) and the XLA_FLAGS it ran under."""
   dev = jax.devices()[0]
   return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
           "device": getattr(dev, "device_kind", str(dev)),
           "jax": jax.__version__,
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
           "flags": {f.name: f.value for f in
                     flags.FLAGS.get_key_flags_for_module(sys.argv[0])}}
 

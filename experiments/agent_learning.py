@@ -117,10 +117,14 @@ ENGINE = EngineConfig(max_batch=128, num_pages=4096)
 
 def model_config():
   # XLA's attention everywhere: the tiny model computes in float32, which
-  # cuDNN's attention and the GPU kernels do not take (the same program on
-  # a GPU or a CPU).
+  # cuDNN's attention and the GPU kernels do not take. The trainer's tree
+  # rows: on a GPU XLA's dense reference; on a CPU "auto", which finds no
+  # kernel there and runs the blockwise path with the tree's intervals
+  # (skipping key blocks no query sees: the dense reference's T^2 work
+  # made the step ~3x slower on CPU cores, benchmarks/notes/agents.md).
+  tree = "auto" if jax.default_backend() == "cpu" else "xla"
   mcfg = get_preset("tiny").replace(settings=Settings(
-      attention="xla", tree_attention=TreeAttentionConfig(backend="xla"),
+      attention="xla", tree_attention=TreeAttentionConfig(backend=tree),
       paged_attention=PagedAttentionConfig(backend="xla"),
       gmm_backend="xla"))
   if _FFN.value == "dense":

@@ -14,9 +14,7 @@ r"""Decode benchmarks (issue 14), one GPU run; sections chosen by --sections:
            prompts, 128 new tokens, --decode_steps per compiled call) next
            to its memory floor (benchmarks/decode_cases.floor_bytes);
            --profile also traces one call: device time per kernel
-           (benchmarks/profile.py). --xla_options=on,off times each batch
-           with the engine's XLA settings for its decode loops and without
-           (m2jax/infer/engine.py DECODE_XLA_OPTIONS).
+           (benchmarks/profile.py).
   spec     MTP speculative decoding at batch 1 on held-out prompts of
            --workdir's run: tokens/s, acceptance per depth and greedy
            identity for each K in --drafts (K=0: plain decoding).
@@ -227,9 +225,6 @@ _PROFILE = flags.DEFINE_bool(
 _DECODE_STEPS = flags.DEFINE_integer(
     "decode_steps", 16, "decode steps per compiled engine call: tokens "
     "(plain decoding) or speculative rounds (spec section, every K)")
-_XLA_OPTIONS = flags.DEFINE_list(
-    "xla_options", ["on"], "engine and spec: EngineConfig.xla_options per "
-    "run, on and/or off (off: XLA's defaults for the decode loops)")
 _DRAFTS = flags.DEFINE_list("drafts", ["0", "1", "2", "3"],
                             "MTP draft tokens K of the spec section")
 _HF_BATCHES = flags.DEFINE_list("hf_batches", ["1", "64"],
@@ -268,18 +263,13 @@ def _bandwidth(results):
   return max(results["copy_bandwidth_bytes_per_s"].values())
 
 
-def _xla_options() -> list[bool]:
-  return [v == "on" for v in _XLA_OPTIONS.value]
-
-
 def _engine_section(results):
   """Decode step time at each batch size next to its memory floor."""
   cfg, variables, source = _model()
   bw = _bandwidth(results)
   rows = []
-  for batch, tiles, xla in itertools.product(map(int, _ENGINE_BATCHES.value),
-                                             _ENGINE_TILES.value,
-                                             _xla_options()):
+  for batch, tiles in itertools.product(map(int, _ENGINE_BATCHES.value),
+                                        _ENGINE_TILES.value):
     run_cfg = cfg
     if tiles:
       n, k, stages = (int(x) for x in tiles.split("."))
@@ -288,7 +278,7 @@ def _engine_section(results):
     r = dc.time_engine(run_cfg, variables, batch=batch, prompt=_PROMPT.value,
                        new_tokens=_GEN.value,
                        decode_steps=_DECODE_STEPS.value,
-                       profile=_PROFILE.value, xla_options=xla)
+                       profile=_PROFILE.value)
     r.pop("outputs")
     if "profile" in r:
       profile_lib.print_summary(r["profile"], f"profile B={batch}")
@@ -299,8 +289,7 @@ def _engine_section(results):
              floor_ms=floor["total"] / bw * 1e3)
     r["fraction_of_floor"] = r["floor_ms"] / r["step_ms"]
     rows.append(r)
-    print(f"engine B={batch} tiles {r['gmm_tiles']} xla_options {xla}: "
-          f"step {r['step_ms']:.3f} ms, "
+    print(f"engine B={batch} tiles {r['gmm_tiles']}: step {r['step_ms']:.3f} ms, "
           f"{r['tokens_per_sec']:,.0f} tok/s, floor {r['floor_ms']:.3f} ms "
           f"({100 * r['fraction_of_floor']:.0f}% of floor)", flush=True)
     _record(results, "engine", rows)
@@ -311,22 +300,21 @@ def _spec_section(results):
   cfg, variables, source = _model()
   rows, ref = [], None
   prompts = _held_out_prompts()
-  for xla, K in itertools.product(_xla_options(), map(int, _DRAFTS.value)):
+  for K in map(int, _DRAFTS.value):
     if K > cfg.num_mtp_modules:
       print(f"spec K={K}: the model has {cfg.num_mtp_modules} MTP modules")
       continue
     r = dc.time_engine(cfg, variables, batch=1, prompt=_PROMPT.value,
                        new_tokens=_GEN.value, mtp_draft=K, prompts=prompts,
-                       decode_steps=_DECODE_STEPS.value, xla_options=xla)
+                       decode_steps=_DECODE_STEPS.value)
     outputs = r.pop("outputs")
     if ref is None:
       ref = outputs
     r["identical_to_plain_greedy"] = [o == w for o, w in zip(outputs, ref)]
     r["source"] = source
     rows.append(r)
-    base = next(x["tokens_per_sec"] for x in rows
-                if x["xla_options"] == xla)   # K=0 of these options
-    print(f"spec K={K} xla_options {xla}: {r['tokens_per_sec']:,.1f} tok/s "
+    base = rows[0]["tokens_per_sec"]
+    print(f"spec K={K}: {r['tokens_per_sec']:,.1f} tok/s "
           f"({r['tokens_per_sec'] / base:.2f}x K=0), acceptance "
           f"{r.get('acceptance', float('nan')):.2f} per depth "
           f"{r.get('acceptance_at_depth')}, identical "
@@ -391,9 +379,6 @@ _SECTION_FNS = {"kernel": _kernel_section, "engine": _engine_section,
                 "hf": _hf_section}
 
 
-flags.register_validator(
-    "xla_options", lambda values: set(values) <= {"on", "off"},
-    "must list on and/or off")
 flags.register_validator(
     "sections", lambda names: set(names) <= set(_SECTION_FNS),
     f"must name sections among {sorted(_SECTION_FNS)}")

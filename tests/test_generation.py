@@ -437,18 +437,3 @@ def test_warmup_compiles_every_shape_a_load_then_meets():
   finally:
     logger.removeHandler(handler)
   assert not compiles, compiles
-
-
-def test_decode_xla_options_are_options_this_xla_takes(monkeypatch):
-  """The decode loops' GPU compiler options parse (XLA reads the debug
-  options on every backend: a misspelt pass list or command-buffer kind
-  fails here), and the engine passes them only on a GPU."""
-  from m2jax.infer import engine as engine_lib  # pylint: disable=import-outside-toplevel
-  f = jax.jit(lambda x: x @ x.T + 1.0,
-              compiler_options=dict(engine_lib.DECODE_XLA_OPTIONS))
-  np.testing.assert_allclose(f(jnp.ones((1, 4))), [[5.0]])
-  assert engine_lib._xla_options(True) == ()   # pylint: disable=protected-access
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert (engine_lib._xla_options(True)   # pylint: disable=protected-access
-          == engine_lib.DECODE_XLA_OPTIONS)
-  assert engine_lib._xla_options(False) == ()  # pylint: disable=protected-access

@@ -80,8 +80,6 @@ class EngineConfig:
   prefix_cache: keep full prompt pages for reuse by later requests.
   max_seq_len: longest sequence (prompt + output); None: the model's
     max_position_embeddings.
-  xla_options: compile the decode loops with DECODE_XLA_OPTIONS on a GPU
-    (False: XLA's defaults, a benchmark's baseline).
   """
   page_size: int = 16
   num_pages: int = 1024
@@ -91,7 +89,6 @@ class EngineConfig:
   mtp_draft: int = 0
   prefix_cache: bool = True
   max_seq_len: int | None = None
-  xla_options: bool = True
 
   def __post_init__(self):
     def fail(field, rule):
@@ -118,28 +115,6 @@ def _bucket(n: int, cap: int | None = None, low: int = 1) -> int:
   the shapes the compiled steps see."""
   b = 1 << max(0, (max(n, low) - 1).bit_length())
   return b if cap is None else min(b, cap)
-
-
-# XLA settings of the compiled decode loops on a GPU (EngineConfig.xla_options;
-# benchmarks/notes/decode.md has the measurements):
-# - XLA rewrites every dot with one row and fewer than 1e7 multiply-adds
-#   per output row block ((N + 1) * K < 1e7) into a multiply + reduce
-#   fusion (its dot-strength-reduction pass); at batch 1 that is every
-#   projection but the lm_head, each several times slower than a GEMV.
-# - Without WHILE in the command-buffer kinds, a call's decode loop launches
-#   one CUDA graph per step from the host; with it, the loop is one graph
-#   whose condition runs on the device.
-DECODE_XLA_OPTIONS = (
-    ("xla_disable_hlo_passes", "dot-strength-reduction"),
-    ("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUDNN,"
-     "CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"),
-)
-
-
-def _xla_options(enabled: bool) -> tuple[tuple[str, str], ...]:
-  """The compiler options of the decode loops on this backend."""
-  return DECODE_XLA_OPTIONS if enabled and jax.default_backend() == "gpu" \
-      else ()
 
 
 # Smallest block-table width and prompt chunk (fewer shapes to compile).
@@ -621,11 +596,9 @@ class Engine:
     for r, s in enumerate(seqs):
       tokens[r] = s.tokens[-1]
       kv_lens[r] = len(s.tokens)
-    fn = _decode_fn(self.model_config, n,
-                    _xla_options(self.config.xla_options))
     out, logprob, count, self.pages = self._call(
-        fn, self.variables, self.pages, tokens, tables, kv_lens, budget,
-        stops, sa)
+        _decode_fn(self.model_config, n), self.variables, self.pages, tokens,
+        tables, kv_lens, budget, stops, sa)
     out, logprob, count = (np.asarray(x) for x in (out, logprob, count))
     self._emit_rows(seqs, out, logprob, count)
     self.stats["decode_steps"] += n
@@ -712,12 +685,11 @@ class Engine:
       m[r] = len(s.tokens) - 1
       tail = s.tokens[max(0, len(s.tokens) - W):]
       recent[r, W - len(tail):] = tail
-    fn = _spec_fn(self.model_config, K, R,
-                  _xla_options(self.config.xla_options))
     (out, logprob, count, accepted_BxK, self.pages, self.mtp_pages,
      self.ring) = self._call(
-         fn, self.variables, self.pages, self.mtp_pages, self.ring, slots,
-         recent, m, tables, live, budget, stops, sa)
+         _spec_fn(self.model_config, K, R), self.variables, self.pages,
+         self.mtp_pages, self.ring, slots, recent, m, tables, live, budget,
+         stops, sa)
     out, logprob, count, accepted_BxK = (
         np.asarray(x) for x in (out, logprob, count, accepted_BxK))
     n = len(seqs)
@@ -764,15 +736,12 @@ def _prefill_fn(cfg: ModelConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_fn(cfg: ModelConfig, steps: int,
-               options: tuple[tuple[str, str], ...] = ()):
+def _decode_fn(cfg: ModelConfig, steps: int):
   """`steps` decode steps on the device: each row feeds its last token,
   samples the next, and stops after a stop token or `budget` tokens (its
-  later steps write to the trash page and change nothing). `options`: XLA
-  compiler options (DECODE_XLA_OPTIONS)."""
+  later steps write to the trash page and change nothing)."""
 
-  @functools.partial(jax.jit, donate_argnums=(1,),
-                     compiler_options=dict(options) or None)
+  @functools.partial(jax.jit, donate_argnums=(1,))
   def decode(variables, pages, tokens_B, tables, kv_lens_B, budget_B,
              stops_BxS, sa: SamplingArrays):
     B = tokens_B.shape[0]
@@ -816,8 +785,7 @@ def _mtp_prefill_fn(cfg: ModelConfig, K: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _spec_fn(cfg: ModelConfig, K: int, rounds: int,
-             options: tuple[tuple[str, str], ...] = ()):
+def _spec_fn(cfg: ModelConfig, K: int, rounds: int):
   """`rounds` speculative rounds for a batch on the device (module
   docstring): each row emits 1..K+1 tokens per round and stops after a stop
   token or `budget` tokens (its later rounds change nothing)."""
@@ -867,8 +835,7 @@ def _spec_fn(cfg: ModelConfig, K: int, rounds: int,
                                         ring[slots]))
     return accepted, tokens, logprobs, pages, new_mtp, ring
 
-  @functools.partial(jax.jit, donate_argnums=(1, 2, 3),
-                     compiler_options=dict(options) or None)
+  @functools.partial(jax.jit, donate_argnums=(1, 2, 3))
   def spec(variables, pages, mtp_pages, ring, slots, recent_BxW, m_B, tables,
            live_B, budget_B, stops_BxS, sa: SamplingArrays):
     B = m_B.shape[0]
