@@ -79,7 +79,10 @@ case "${1:-gateway}" in
         done
         extra="--init=runs/mtp_co/warm_start --warm_start_steps=0 --mtp_weight=0"
       fi
-      ls $dir/checkpoints 2>/dev/null | grep -q . && resume="--resume"
+      # A started run resumes, from its newest checkpoint or, before its
+      # first one, from its start again (its pool exists from step 1).
+      { ls $dir/checkpoints 2>/dev/null | grep -q . || [ -e $dir/pool.sqlite ]; } \
+        && resume="--resume"
       local left=$(( BUDGET - ($(date +%s) - T0) ))
       echo "== $1: $(wc -l < $dir/metrics.jsonl 2>/dev/null || echo 0) steps done, $left s left $resume"
       CUDA_VISIBLE_DEVICES=$2 timeout -s KILL $left python3 -m experiments.rl \

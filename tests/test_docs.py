@@ -218,6 +218,9 @@ COMMANDS = {
         "agents' RL loops at tiny shapes, tests/test_sweep.py its report"),
     "benchmarks/run_agents_gpu.sh learning": Skip(
         GPU + "runs experiments.agent_learning on a device machine"),
+    "benchmarks/run_agents_gpu.sh learning_cpu": Skip(
+        GPU + "runs experiments.agent_learning on a device machine's CPU "
+        "cores (its warm start on a GPU)"),
     "benchmarks/run_sweep_vmap_gpu.sh step|sweep": Skip(
         GPU + "times N models in one vmapped program; tests/test_multi.py "
         "and the sweep test's --parallel arm run it on CPU"),
