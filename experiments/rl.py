@@ -163,6 +163,10 @@ flags.DEFINE_integer("checkpoint_every", 10, "Steps between checkpoints.")
 flags.DEFINE_bool("async_checkpoint", True, "Write checkpoints in the "
                   "background while training goes on (false: each save "
                   "blocks until written).")
+flags.DEFINE_bool("checkpoint_device_copy", True, "With --async_checkpoint: "
+                  "copy the state on the device and move it to host memory "
+                  "in the background (one more state in device memory "
+                  "meanwhile; false: each save waits for the host copy).")
 flags.DEFINE_integer("warm_start_seq_len", loop.RLRunConfig.warm_start_seq_len,
                      "Tokens per SFT row (a demonstration must fit one).")
 flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")
@@ -201,7 +205,9 @@ TRAIN_FLAGS = {"learning_rate": "learning_rate",
                "warmup_steps": "warmup_steps", "grad_clip": "grad_clip",
                "decay_fraction": "decay_fraction",
                "min_lr_ratio": "min_lr_ratio",
-               "async_checkpoint": "async_checkpoint", "seed": "seed"}
+               "async_checkpoint": "async_checkpoint",
+               "checkpoint_device_copy": "checkpoint_device_copy",
+               "seed": "seed"}
 
 
 def _env_fields() -> tuple:
@@ -234,7 +240,8 @@ def _fresh_configs(mcfg: ModelConfig):
       mcfg, steps=steps * FLAGS.minibatches, seed=FLAGS.seed,
       learning_rate=FLAGS.learning_rate, warmup_steps=FLAGS.warmup_steps,
       decay_fraction=FLAGS.decay_fraction, min_lr_ratio=FLAGS.min_lr_ratio,
-      grad_clip=FLAGS.grad_clip, async_checkpoint=FLAGS.async_checkpoint)
+      grad_clip=FLAGS.grad_clip, async_checkpoint=FLAGS.async_checkpoint,
+      checkpoint_device_copy=FLAGS.checkpoint_device_copy)
   rl = rl_step.RLConfig(algorithm=FLAGS.algo, kl_coef=FLAGS.kl_coef,
                         mtp_depth=mcfg.num_mtp_modules,
                         mtp_loss=FLAGS.mtp_loss, mtp_topk=FLAGS.mtp_topk,

@@ -124,7 +124,8 @@ def _configs(init):
       eval_every=FLAGS.eval_every, eval_batches=FLAGS.eval_batches,
       checkpoint_every=FLAGS.checkpoint_every,
       keep_checkpoints=FLAGS.keep_checkpoints,
-      async_checkpoint=FLAGS.async_checkpoint)
+      async_checkpoint=FLAGS.async_checkpoint,
+      checkpoint_device_copy=FLAGS.checkpoint_device_copy)
   data_config = sft.chat_data_config(
       init.tokenizer, source=FLAGS.data,
       validation_source=FLAGS.validation_data,

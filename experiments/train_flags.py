@@ -26,13 +26,15 @@ CADENCE_FLAGS = {"log_every": "log_every", "eval_every": "eval_every",
                  "eval_batches": "eval_batches",
                  "checkpoint_every": "checkpoint_every",
                  "keep_checkpoints": "keep_checkpoints",
-                 "async_checkpoint": "async_checkpoint"}
+                 "async_checkpoint": "async_checkpoint",
+                 "checkpoint_device_copy": "checkpoint_device_copy"}
 
 
 def define_cadence(*, eval_every: int, eval_batches: int,
                    flag_values: flags.FlagValues = FLAGS) -> None:
   """--log_every, --eval_every, --eval_batches, --checkpoint_every,
-  --keep_checkpoints and --async_checkpoint, with the command's own eval defaults. They are
+  --keep_checkpoints, --async_checkpoint and --checkpoint_device_copy, with
+  the command's own eval defaults. They are
   registered to the calling script, so its --helpshort lists them."""
   caller = inspect.currentframe().f_back.f_globals["__name__"]
   kw = {"flag_values": flag_values,
@@ -49,6 +51,11 @@ def define_cadence(*, eval_every: int, eval_batches: int,
   flags.DEFINE_bool("async_checkpoint", True,
                     "Write checkpoints in the background while training "
                     "goes on (false: each save blocks until written).", **kw)
+  flags.DEFINE_bool("checkpoint_device_copy", True,
+                    "With --async_checkpoint: copy the state on the device "
+                    "and move it to host memory in the background (one "
+                    "more state in device memory meanwhile; false: each "
+                    "save waits for the host copy).", **kw)
 
 
 def given(table: Mapping[str, str], *, explicit_only: bool = True,

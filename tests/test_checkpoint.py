@@ -103,6 +103,80 @@ def test_a_failed_background_save_is_raised_not_forgotten(tmp_path,
   assert Checkpointer(directory, keep=3).steps() == []
 
 
+class _HeldManagerSave:
+  """Holds orbax's CheckpointManager.save (its device-to-host copy and all)
+  until `release()`, recording which thread called it and raising there
+  when `fail`."""
+
+  def __init__(self, monkeypatch, fail=False):
+    self.released, self.entered = threading.Event(), threading.Event()
+    self.threads = []
+    save = ocp.CheckpointManager.save
+
+    def held(manager, *args, **kwargs):
+      self.threads.append(threading.current_thread())
+      self.entered.set()
+      self.released.wait(30)
+      if fail:
+        raise OSError("no space left (a test's)")
+      return save(manager, *args, **kwargs)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", held)
+
+
+def test_device_copy_save_returns_before_the_host_copy_and_keeps_its_step(
+    tmp_path, monkeypatch):
+  """With device_copy, `save` hands a device copy of the state to orbax in
+  a background thread: it returns while orbax has not even started, the
+  steps after it donate (delete) the saved buffers, and what is written is
+  still the state of the saved step (without the copy, orbax would read
+  deleted arrays and the save would fail)."""
+  directory = str(tmp_path / "checkpoints")
+  held = _HeldManagerSave(monkeypatch)
+  ck = Checkpointer(directory, keep=3, asynchronous=True, device_copy=True)
+  train = jax.jit(lambda s: jax.tree.map(lambda x: x * 2 + 1, s),
+                  donate_argnums=0)
+  state = train({"w": jnp.arange(4096.0), "m": {"v": jnp.ones((8, 16))},
+                 "step": np.int32(1)})   # a host value rides along
+  saved = jax.tree.map(np.array, state)
+  old = state["w"]
+  ck.save(1, state, {"next_document": 3}, {"step": 1})
+  assert held.entered.wait(30) and not held.released.is_set()
+  assert held.threads[0] is not threading.main_thread()
+  for _ in range(3):
+    state = train(state)
+  assert old.is_deleted()   # the saved step's buffers were donated
+  held.released.set()
+  step, restored, data_state, _ = ck.restore_latest(abstract(state))
+  assert (step, data_state) == (1, {"next_document": 3})
+  jax.tree.map(np.testing.assert_array_equal, restored, saved)
+  ck.close()
+
+
+def test_device_copy_failures_are_raised_and_memory_falls_back(
+    tmp_path, monkeypatch):
+  directory = str(tmp_path / "checkpoints")
+  held = _HeldManagerSave(monkeypatch, fail=True)
+  ck = Checkpointer(directory, keep=3, asynchronous=True, device_copy=True)
+  ck.save(1, {"w": jnp.arange(4.0)}, {}, {})
+  held.released.set()
+  with pytest.raises(CheckpointError, match="step 1 .*OSError: no space"):
+    ck.close()
+  # No device memory for the copy: the save takes the host copy in the
+  # caller's thread instead (and still completes).
+  monkeypatch.undo()
+  held = _HeldManagerSave(monkeypatch)
+  held.released.set()
+
+  def out_of_memory(x):
+    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (a test's)")
+  monkeypatch.setattr(ckpt_lib.jnp, "copy", out_of_memory)
+  ck = Checkpointer(directory, keep=3, asynchronous=True, device_copy=True)
+  ck.save(2, {"w": jnp.arange(4.0)}, {}, {})
+  assert held.threads == [threading.main_thread()]
+  assert ck.steps() == [2]
+  ck.close()
+
+
 def _cut_deletion_short(directory, step):
   """What a run SIGKILLed while orbax deletes an old step (max_to_keep, in
   the background after a later save) leaves, as seen on a real kill: its

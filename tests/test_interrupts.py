@@ -100,7 +100,7 @@ def _resume(workdir, env):
 # "kill" sends SIGKILL once the asynchronous save of step AT has returned,
 # its files being written (the rename that completes it held back).
 _SELF_SIGNALLED = """
-import asyncio, json, os, signal, sys
+import asyncio, json, os, signal, sys, time
 import orbax.checkpoint as ocp
 from m2jax import config as config_lib
 from m2jax.data import DataConfig
@@ -132,6 +132,12 @@ def save_signalled(self, step, *args):
   held.extend([step] if step == at and mode == "kill" else [])
   save(self, step, *args)
   if held:
+    # With the device copy (the default) orbax starts in a background
+    # thread: kill once its temporary directory exists (files being written).
+    for _ in range(400):
+      if ocp.path.step.all_temporary_paths(self.directory):
+        break
+      time.sleep(0.05)
     assert self.asynchronous and not os.path.isdir(
         os.path.join(self.directory, str(step)))
     os.kill(os.getpid(), signal.SIGKILL)

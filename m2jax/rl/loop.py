@@ -209,7 +209,8 @@ class RLRunConfig:
 # run's).
 RESUMABLE_RUN_FIELDS = frozenset({"steps", "max_rollouts", "checkpoint_every",
                                   "eval_every", "eval_tasks"})
-RESUMABLE_TRAIN_FIELDS = frozenset({"async_checkpoint"})
+RESUMABLE_TRAIN_FIELDS = frozenset({"async_checkpoint",
+                                    "checkpoint_device_copy"})
 
 
 def train_config(model_config: ModelConfig, *, steps: int,
@@ -388,7 +389,8 @@ class _Run:
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       keep=run.keep_checkpoints,
-                                      asynchronous=tcfg.async_checkpoint)
+                                      asynchronous=tcfg.async_checkpoint,
+                                      device_copy=tcfg.checkpoint_device_copy)
     pool_path = os.path.join(workdir, POOL_FILE)
     if resume:
       self.ckpt.check_resume()

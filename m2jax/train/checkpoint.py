@@ -9,7 +9,16 @@ TrainConfig.async_checkpoint): `save` returns once the state's arrays are
 copied to host memory (orbax's device-to-host copy, which completes before
 `save` returns), and the files are written in a background thread while
 training goes on. So the next step may donate and overwrite the state's
-device buffers: what is written is the state at the saved step. A pending
+device buffers: what is written is the state at the saved step. With
+`device_copy=True` (TrainConfig.checkpoint_device_copy) `save` does not wait
+for the host copy either: it copies the state on the device (a pass over
+device memory, a few milliseconds, enqueued before any later step can
+donate the buffers) and hands that copy to orbax in a background thread,
+so training pauses for neither the ~1 s host copy of a large state nor the
+writes; the copy holds one more state's worth of device memory until it
+reaches the host. Where that memory is not there, the save falls back to
+the host copy (and says so once); so it does with several processes, where
+orbax's save runs collectives that must not leave the main thread. A pending
 save is waited for, and its failure raised, before the next save, before
 any read (steps, restore, meta) and in `close`, which every trainer calls
 on every way out. A process killed while a save is in flight leaves only
@@ -38,10 +47,12 @@ import copy
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from m2jax.config import ConfigError, config_to_dict, without_moved_fields
@@ -115,11 +126,13 @@ class Checkpointer:
   """Save / restore {state, data-iterator state, meta} every N steps."""
 
   def __init__(self, directory: str, *, keep: int, read_only: bool = False,
-               asynchronous: bool = False):
+               asynchronous: bool = False, device_copy: bool = False):
     """`read_only`: for reading a run that may still be training (e.g.
     evaluating it): its unfinished steps are left alone. `asynchronous`:
     `save` returns before the files are written (module docstring); the
-    caller must `close` (or `wait`) before it exits."""
+    caller must `close` (or `wait`) before it exits. `device_copy` (with
+    `asynchronous`): `save` returns before the state reaches host memory,
+    a copy of it on the device going there in the background."""
     self.directory = os.path.abspath(directory)
     self.corrupt_directory = os.path.join(os.path.dirname(self.directory),
                                           CORRUPT_DIR)
@@ -142,7 +155,15 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=asynchronous))
     self.asynchronous = asynchronous
+    # One process only: orbax's save runs collectives across processes
+    # (barriers, gathers), which from a background thread could interleave
+    # with the training step's own and deadlock or fail.
+    self.device_copy = (device_copy and asynchronous
+                        and jax.process_count() == 1)
     self._pending: int | None = None  # the step being written, if any
+    self._thread: threading.Thread | None = None  # device_copy's handover
+    self._thread_error: Exception | None = None
+    self._warned_memory = False
     self._closed = False
 
   def steps(self) -> list[int]:
@@ -163,13 +184,45 @@ class Checkpointer:
     self.wait()
     # The JSON parts are written later too: the caller may change its dicts.
     data_state, meta = copy.deepcopy(data_state), copy.deepcopy(meta)
+    snapshot = self._device_snapshot(state) if self.device_copy else None
+    if snapshot is not None:
+      self._thread = threading.Thread(
+          target=self._save_in_background, name=f"checkpoint-{step}",
+          args=(step, snapshot, data_state, meta), daemon=True)
+      self._thread.start()
+    else:
+      self._save(step, state, data_state, meta)
+    self._pending = step
+    if not self.asynchronous:
+      self.wait()
+
+  def _save(self, step: int, state, data_state: dict, meta: dict) -> None:
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         meta=ocp.args.JsonSave(meta)), force=True)
-    self._pending = step
-    if not self.asynchronous:
-      self.wait()
+
+  def _save_in_background(self, step, snapshot, data_state, meta) -> None:
+    try:
+      self._save(step, snapshot, data_state, meta)
+    except Exception as e:  # pylint: disable=broad-except
+      self._thread_error = e  # raised by wait(), in the caller's thread
+
+  def _device_snapshot(self, state):
+    """A copy of `state`'s device arrays on the device (host values kept),
+    or None where device memory cannot hold one (the save then waits for
+    the host copy instead)."""
+    try:
+      return jax.tree.map(
+          lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
+    except Exception as e:  # pylint: disable=broad-except
+      if not _out_of_memory(e):
+        raise
+      if not self._warned_memory:
+        self._warned_memory = True
+        log.warning("checkpoint: no device memory for a copy of the "
+                        "state; saves wait for the host copy")
+      return None
 
   def wait(self) -> None:
     """Complete the save in flight, if any; CheckpointError if it failed
@@ -183,7 +236,13 @@ class Checkpointer:
       return
     step, self._pending = self._pending, None
     why = "its files were not completed; orbax's log says why"
+    if self._thread is not None:   # device_copy: orbax's save itself
+      self._thread.join()
+      self._thread = None
     try:
+      if self._thread_error is not None:
+        error, self._thread_error = self._thread_error, None
+        raise error
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
       why = _first_line(e)

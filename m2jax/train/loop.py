@@ -238,7 +238,8 @@ def pretrain(model_config: ModelConfig, train_config: TrainConfig,
 
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=tcfg.keep_checkpoints,
-                                       asynchronous=tcfg.async_checkpoint)
+                                       asynchronous=tcfg.async_checkpoint,
+                                       device_copy=tcfg.checkpoint_device_copy)
   if checkpointer.steps() and not resume:
     raise ExistingPathError(
         f"{workdir} already holds checkpoints {checkpointer.steps()}; pass "

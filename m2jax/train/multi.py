@@ -211,7 +211,8 @@ class _Member:
           f"tokenizer's vocabulary ({self.tokenizer.vocab_size})")
     self.checkpointer = ckpt_lib.Checkpointer(
         os.path.join(run.workdir, "checkpoints"), keep=tcfg.keep_checkpoints,
-        asynchronous=tcfg.async_checkpoint)
+        asynchronous=tcfg.async_checkpoint,
+        device_copy=tcfg.checkpoint_device_copy)
     if self.checkpointer.steps() and not resume:
       raise ExistingPathError(
           f"{run.workdir} already holds checkpoints "

@@ -36,7 +36,7 @@ from m2jax.train import checkpoint as ckpt_lib
 # optimizer, schedule, seed, losses).
 RESUMABLE_TRAIN_FIELDS = frozenset({
     "steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-    "keep_checkpoints", "async_checkpoint"})
+    "keep_checkpoints", "async_checkpoint", "checkpoint_device_copy"})
 
 CONFIG_FILE = "config.json"
 SAVED_PARTS = ("model", "train", "data")
