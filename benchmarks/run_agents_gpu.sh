@@ -90,8 +90,17 @@ case "${1:-gateway}" in
       cp $dir/metrics.jsonl "$OUT/mtp_$1_metrics.jsonl" 2>/dev/null
     }
     arm co ${GPU_CO:-0} & arm frozen ${GPU_FROZEN:-1} & wait ;;
-  learning)
-    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}; W=${WORKDIR:-runs/agent_learning}
+  learning|learning_cpu)
+    # learning_cpu: the same six RL runs with JAX_PLATFORMS=cpu, each
+    # pinned to its own CPU_PER cores of this host's CPU_CORES (default: all
+    # but the first 16, which the GPU jobs of the same call use); the warm
+    # start is still made on a GPU (400 SFT steps: a minute there, ~45
+    # minutes on 2 CPU cores), the RL runs, where the learning happens,
+    # never touch one. Both resumable (call again until every run has
+    # STEPS steps).
+    cpu=$([ $1 = learning_cpu ] && echo 1 || echo "")
+    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}
+    W=${WORKDIR:-runs/agent_learning${cpu:+_cpu}}
     L="--workdir=$W --warm_start_steps=${WARM_STEPS:-400}
       --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-1e-4}
       ${MODEL:---hidden_size=256 --num_layers=4} --steps=$STEPS
@@ -103,59 +112,36 @@ case "${1:-gateway}" in
     # The arms start only from a finished warm start (it is measured last).
     [ -f $W/warm/measured.json ] || {
       echo "warm start unfinished: call again"; exit 1; }
-    # Six arms over the GPUs: at most ceil(6 / GPUs) processes share one.
-    per_gpu=$(( (6 + ${#G[@]} - 1) / ${#G[@]} ))
-    export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per_gpu, 2))")
+    if [ -n "$cpu" ]; then
+      CORES=${CPU_CORES:-16-$(( $(nproc) - 1 ))}; first=${CORES%-*}; last=${CORES#*-}
+      n=$(( last - first + 1 )); per=${CPU_PER:-$(( n >= 6 ? n / 6 : 1 ))}
+      echo "== CPU runs: cores $CORES, $per each"
+    else
+      # Six arms over the GPUs: at most ceil(6 / GPUs) processes share one.
+      per_gpu=$(( (6 + ${#G[@]} - 1) / ${#G[@]} ))
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per_gpu, 2))")
+    fi
     i=0
     for agent in whitebox blackbox; do
       for seed in 0 1 2; do
         left=$(( BUDGET - ($(date +%s) - T0) ))
         (( left > 60 )) || { echo "out of budget before $agent s$seed"; break 2; }
-        CUDA_VISIBLE_DEVICES=${G[$(( i % ${#G[@]} ))]} timeout -s KILL $left \
-          python3 -m experiments.agent_learning $L --agents=$agent \
-          --seeds=$seed > "$OUT/learning_${agent}_s$seed.log" 2>&1 &
+        if [ -n "$cpu" ]; then
+          lo=$(( first + (i * per) % n ))
+          place="env CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu taskset -c $lo-$(( lo + per - 1 ))"
+        else
+          place="env CUDA_VISIBLE_DEVICES=${G[$(( i % ${#G[@]} ))]}"
+        fi
+        timeout -s KILL $left $place python3 -m experiments.agent_learning $L \
+          --agents=$agent --seeds=$seed >> "$OUT/learning${cpu:+_cpu}_${agent}_s$seed.log" 2>&1 &
         i=$(( i + 1 ))
       done
     done
     wait
-    CUDA_VISIBLE_DEVICES=${G[0]} timeout 120 python3 -m experiments.agent_learning $L --stage=report \
-      --out="$OUT/agents_learning.json" 2>&1 | quiet | grep -o \
-      '"agent": "[a-z]*", "seed": [0-9], "steps": [0-9]*' ;;
-  learning_cpu)
-    # The learning target on CPUs: the six RL runs of `learning` with
-    # JAX_PLATFORMS=cpu, each pinned to its own CPU_PER cores of this
-    # host's CPU_CORES (default: all but the first 16, which the GPU jobs of
-    # the same call use). The warm start is made on GPU ${G0:-0} (400 SFT
-    # steps: a minute there, ~45 minutes on 2 CPU cores); the RL runs,
-    # where the learning happens, never touch a GPU. Resumable like
-    # `learning` (call again until every run has STEPS steps).
-    STEPS=${STEPS:-400}; BUDGET=${BUDGET:-560}; W=${WORKDIR:-runs/agent_learning_cpu}
-    L="--workdir=$W --warm_start_steps=${WARM_STEPS:-400}
-      --warm_start_learning_rate=${WARM_LR:-1e-3} --learning_rate=${LR:-1e-4}
-      ${MODEL:---hidden_size=256 --num_layers=4} --steps=$STEPS
-      --groups_per_step=16 --checkpoint_every=5 ${EXTRA:-}"
-    CUDA_VISIBLE_DEVICES=${G0:-0} timeout -s KILL $BUDGET python3 -m experiments.agent_learning $L \
-      --stage=warm 2>&1 | quiet | tail -2 | cut -c1-400
-    [ -f $W/warm/measured.json ] || {
-      echo "warm start unfinished: call again"; exit 1; }
-    CORES=${CPU_CORES:-16-$(( $(nproc) - 1 ))}; first=${CORES%-*}; last=${CORES#*-}
-    n=$(( last - first + 1 )); per=${CPU_PER:-$(( n >= 6 ? n / 6 : 1 ))}
-    echo "== CPU runs: cores $CORES, $per each"
-    i=0
-    for agent in whitebox blackbox; do
-      for seed in 0 1 2; do
-        left=$(( BUDGET - ($(date +%s) - T0) ))
-        (( left > 60 )) || { echo "out of budget before $agent s$seed"; break 2; }
-        lo=$(( first + (i * per) % n )); hi=$(( lo + per - 1 ))
-        CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu timeout -s KILL $left \
-          taskset -c $lo-$hi python3 -m experiments.agent_learning $L \
-          --agents=$agent --seeds=$seed >> "$OUT/learning_cpu_${agent}_s$seed.log" 2>&1 &
-        i=$(( i + 1 ))
-      done
-    done
-    wait
-    JAX_PLATFORMS=cpu timeout 120 python3 -m experiments.agent_learning $L --stage=report \
-      --out="$OUT/agents_learning_cpu.json" 2>&1 | quiet | grep -o \
+    place="env CUDA_VISIBLE_DEVICES=${G[0]}"
+    [ -n "$cpu" ] && place="env CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu"
+    timeout 120 $place python3 -m experiments.agent_learning $L --stage=report \
+      --out="$OUT/agents_learning${cpu:+_cpu}.json" 2>&1 | quiet | grep -o \
       '"agent": "[a-z]*", "seed": [0-9], "steps": [0-9]*' ;;
   *) echo "usage: $0 gateway|merge|mtp|learning|learning_cpu"; exit 2 ;;
 esac
