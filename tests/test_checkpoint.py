@@ -162,19 +162,47 @@ def test_device_copy_failures_are_raised_and_memory_falls_back(
   with pytest.raises(CheckpointError, match="step 1 .*OSError: no space"):
     ck.close()
   # No device memory for the copy: the save takes the host copy in the
-  # caller's thread instead (and still completes).
+  # caller's thread instead (and still completes), as do later saves.
   monkeypatch.undo()
   held = _HeldManagerSave(monkeypatch)
   held.released.set()
 
-  def out_of_memory(x):
+  def out_of_memory(arrays):
     raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory (a test's)")
-  monkeypatch.setattr(ckpt_lib.jnp, "copy", out_of_memory)
+  monkeypatch.setattr(ckpt_lib, "_copy_arrays", out_of_memory)
   ck = Checkpointer(directory, keep=3, asynchronous=True, device_copy=True)
   ck.save(2, {"w": jnp.arange(4.0)}, {}, {})
-  assert held.threads == [threading.main_thread()]
-  assert ck.steps() == [2]
+  ck.save(3, {"w": jnp.arange(4.0)}, {}, {})
+  assert held.threads == [threading.main_thread()] * 2
+  assert not ck.device_copy and ck.steps() == [2, 3]
   ck.close()
+
+
+class _Device:
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def _array_on(device, nbytes):
+  shard = type("Shard", (), {"device": device,
+                             "data": np.zeros(nbytes, np.uint8)})
+  return type("Array", (), {"addressable_shards": [shard, shard]})
+
+
+def test_the_device_copy_needs_room_beside_the_peak_memory_use():
+  """The copy lives while the next steps run: it must fit beside the run's
+  peak so far, per device (a device without statistics, a CPU, is not
+  refused)."""
+  gpu = _Device({"bytes_limit": 100, "peak_bytes_in_use": 60,
+                 "bytes_in_use": 20})
+  room = ckpt_lib._no_room_for  # pylint: disable=protected-access
+  assert room([_array_on(gpu, 20)]) is None   # 2 shards: 40 of 40 bytes
+  assert room([_array_on(gpu, 20), _array_on(gpu, 1)]).endswith(
+      "free beside the peak")
+  assert room([_array_on(_Device(None), 10**9)]) is None
 
 
 def _cut_deletion_short(directory, step):

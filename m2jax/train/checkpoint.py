@@ -15,10 +15,12 @@ for the host copy either: it copies the state on the device (a pass over
 device memory, a few milliseconds, enqueued before any later step can
 donate the buffers) and hands that copy to orbax in a background thread,
 so training pauses for neither the ~1 s host copy of a large state nor the
-writes; the copy holds one more state's worth of device memory until it
-reaches the host. Where that memory is not there, the save falls back to
-the host copy (and says so once); so it does with several processes, where
-orbax's save runs collectives that must not leave the main thread. A pending
+writes; the copy holds one more state's worth of device memory until orbax
+has written it. Where the copy would not fit beside the run's peak device
+memory so far (or its allocation fails), this save and the later ones take
+the host copy instead, said once; so do saves with several processes,
+where orbax's save runs collectives that must not leave the main thread.
+A pending
 save is waited for, and its failure raised, before the next save, before
 any read (steps, restore, meta) and in `close`, which every trainer calls
 on every way out. A process killed while a save is in flight leaves only
@@ -117,6 +119,28 @@ def _first_line(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
+@jax.jit
+def _copy_arrays(arrays):
+  return [jnp.copy(x) for x in arrays]
+
+
+def _no_room_for(arrays) -> str | None:
+  """Why a copy of `arrays` would not fit beside the peak device memory
+  use so far (None: it fits, or the devices keep no statistics)."""
+  need = {}
+  for x in arrays:
+    for shard in x.addressable_shards:
+      need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+  for device, nbytes in need.items():
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    peak = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+    if limit and limit - peak < nbytes:
+      return (f"{device}: {nbytes / 2**30:.1f} GiB needed, "
+              f"{(limit - peak) / 2**30:.1f} GiB free beside the peak")
+  return None
+
+
 def _out_of_memory(e: Exception) -> bool:
   """Failures that say nothing about the files (never quarantine for them)."""
   return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
@@ -163,7 +187,6 @@ class Checkpointer:
     self._pending: int | None = None  # the step being written, if any
     self._thread: threading.Thread | None = None  # device_copy's handover
     self._thread_error: Exception | None = None
-    self._warned_memory = False
     self._closed = False
 
   def steps(self) -> list[int]:
@@ -186,13 +209,16 @@ class Checkpointer:
     data_state, meta = copy.deepcopy(data_state), copy.deepcopy(meta)
     snapshot = self._device_snapshot(state) if self.device_copy else None
     if snapshot is not None:
+      self._pending = step
+      # Not a daemon: orbax's writer threads inherit it, and a process
+      # leaving without close() must still finish (or not start) them.
       self._thread = threading.Thread(
           target=self._save_in_background, name=f"checkpoint-{step}",
-          args=(step, snapshot, data_state, meta), daemon=True)
+          args=(step, snapshot, data_state, meta))
       self._thread.start()
     else:
       self._save(step, state, data_state, meta)
-    self._pending = step
+      self._pending = step
     if not self.asynchronous:
       self.wait()
 
@@ -209,20 +235,31 @@ class Checkpointer:
       self._thread_error = e  # raised by wait(), in the caller's thread
 
   def _device_snapshot(self, state):
-    """A copy of `state`'s device arrays on the device (host values kept),
-    or None where device memory cannot hold one (the save then waits for
-    the host copy instead)."""
-    try:
-      return jax.tree.map(
-          lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
-    except Exception as e:  # pylint: disable=broad-except
-      if not _out_of_memory(e):
-        raise
-      if not self._warned_memory:
-        self._warned_memory = True
-        log.warning("checkpoint: no device memory for a copy of the "
-                        "state; saves wait for the host copy")
+    """A copy of `state` (its device arrays copied on the device, its host
+    values copied), or None where device memory cannot hold one beside the
+    run's peak so far: the copy lives until orbax has written it, while
+    the next steps run. Without that room the save waits for the host copy
+    instead, this save and every later one (said once)."""
+    leaves, treedef = jax.tree.flatten(state)
+    arrays = [x for x in leaves if isinstance(x, jax.Array)]
+    why = _no_room_for(arrays)
+    if why is None:
+      try:
+        # One program for the whole tree, waited for here so that a failed
+        # allocation is raised here, not in the next train step.
+        copies = iter(jax.block_until_ready(_copy_arrays(arrays)))
+      except Exception as e:  # pylint: disable=broad-except
+        if not _out_of_memory(e):
+          raise
+        why = _first_line(e)
+    if why is not None:
+      self.device_copy = False
+      log.warning("checkpoint: no device memory for a copy of the state "
+                  "(%s); saves wait for the host copy", why)
       return None
+    return jax.tree.unflatten(treedef, [
+        next(copies) if isinstance(x, jax.Array) else copy.deepcopy(x)
+        for x in leaves])
 
   def wait(self) -> None:
     """Complete the save in flight, if any; CheckpointError if it failed
@@ -234,22 +271,21 @@ class Checkpointer:
     """
     if self._pending is None:
       return
-    step, self._pending = self._pending, None
-    why = "its files were not completed; orbax's log says why"
     if self._thread is not None:   # device_copy: orbax's save itself
-      self._thread.join()
+      self._thread.join()   # (interrupted, a later wait joins it again)
       self._thread = None
+    step, self._pending = self._pending, None
+    error, self._thread_error = self._thread_error, None
     try:
-      if self._thread_error is not None:
-        error, self._thread_error = self._thread_error, None
-        raise error
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      why = _first_line(e)
-    else:
-      if (jax.process_index() != 0
-          or os.path.isdir(os.path.join(self.directory, str(step)))):
-        return
+      error = error or e
+    if error is None and (
+        jax.process_index() != 0
+        or os.path.isdir(os.path.join(self.directory, str(step)))):
+      return
+    why = (_first_line(error) if error is not None
+           else "its files were not completed; orbax's log says why")
     self._manager.reload()  # forget the step orbax still lists
     raise CheckpointError(
         f"checkpoint step {step} in {self.directory} failed to save ({why}); "
