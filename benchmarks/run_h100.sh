@@ -12,6 +12,9 @@
 #                                          experiments.bench_prefix_tree sections
 #   bash benchmarks/run_h100.sh decode_kernel  paged decode attention
 #                                          (experiments.bench_decode, issue 14)
+#   bash benchmarks/run_h100.sh checkpoint what a checkpoint every 100 steps
+#                                          costs m2_small's training, per save
+#                                          mode (experiments.bench_checkpoint)
 # Carry .whl (grain, array_record, portpicker, tensorboardX) and .peers
 # (tokamax; see ../shared/wheels); results land in $OUT.
 set -uo pipefail
@@ -55,6 +58,11 @@ case "${1:-train}" in
   decode_kernel)
     timeout 560 python3 -m experiments.bench_decode --sections=kernel \
       --out=$OUT/decode_kernel_h100.json 2>&1 | quiet | tail -60 ;;
+  checkpoint)
+    timeout 560 python3 -m experiments.bench_checkpoint --preset=m2_small \
+      --batch_size=8 --seq_len=2048 --steps=200 --checkpoint_every=100 \
+      --workdir=/tmp/bench_ckpt --output=$OUT/checkpoint_h100.json 2>&1 \
+      | quiet | tail -8 ;;
   *) echo "unknown stage $1 (train, gmm, pretrain, gpu_tests, prefix_attention,"\
-       "prefix_model, prefix_agent128, decode_kernel)"; exit 2 ;;
+       "prefix_model, prefix_agent128, decode_kernel, checkpoint)"; exit 2 ;;
 esac

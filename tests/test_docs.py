@@ -206,7 +206,7 @@ COMMANDS = {
         GPU + "64 clients against m2_small; its load check runs in "
         "tests/test_serve.py"),
     "benchmarks/run_h100.sh train|gmm|pretrain|gpu_tests|prefix_attention|"
-    "prefix_model|prefix_agent128": Skip(
+    "prefix_model|prefix_agent128|decode_kernel|checkpoint": Skip(
         GPU + "runs the benchmarks on a device machine"),
     "bash benchmarks/run_ablations_gpu.sh mtp experts attention_mqar "
     "attention_lm gating": Skip(
