@@ -33,41 +33,33 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_server(serve_args: list[str], *, timeout: float = 900.0,
-                 log_path: str | None = None):
-  """(process, base URL, API key, its first output line, model name) of
-  `python -m experiments.serve` on a free loopback port. With `log_path`
-  the server's output goes to that file (nothing can block on a full pipe)
-  and every JAX compilation is logged in it (`compiles_in`)."""
+def start_server(serve_args: list[str], log_path: str, *,
+                 timeout: float = 900.0):
+  """(process, base URL, API key, its banner line, model name) of
+  `python -m experiments.serve` on a free loopback port. Its output goes
+  to `log_path` (nothing can block on a full pipe), every JAX compilation
+  logged there (`compiles_in`)."""
   port, key = free_port(), secrets.token_hex(16)
   cmd = [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1",
          f"--port={port}", "--log_level=warning", *serve_args]
-  env = {**os.environ, "M2JAX_API_KEY": key}
-  if log_path:
-    env["JAX_LOG_COMPILES"] = "1"
-    log = open(log_path, "w")  # pylint: disable=consider-using-with
+  env = {**os.environ, "M2JAX_API_KEY": key, "JAX_LOG_COMPILES": "1"}
+  with open(log_path, "w") as log:
     proc = subprocess.Popen(cmd, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
-    log.close()
-  else:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
   url = f"http://127.0.0.1:{port}"
   deadline = time.time() + timeout
-  banner = None
   import requests  # pylint: disable=import-outside-toplevel
   while True:
     if proc.poll() is not None:
-      tail = (open(log_path).read() if log_path else proc.stdout.read())
+      with open(log_path) as f:
+        tail = f.read()[-2000:]
       raise RuntimeError(f"experiments.serve exited ({proc.returncode}): "
-                         f"{tail[-2000:]}")
-    if banner is None:
-      banner = _first_line(proc, log_path)
+                         f"{tail}")
     try:
       r = requests.get(url + "/v1/models", timeout=5,
                        headers={"Authorization": f"Bearer {key}"})
       if r.status_code == 200:
-        return proc, url, key, banner or "", r.json()["data"][0]["id"]
+        return proc, url, key, _banner(log_path), r.json()["data"][0]["id"]
     except requests.ConnectionError:
       pass
     if time.time() > deadline:
@@ -76,20 +68,15 @@ def start_server(serve_args: list[str], *, timeout: float = 900.0,
     time.sleep(0.5)
 
 
-def _first_line(proc, log_path: str | None) -> str | None:
-  """The server's first output line (its banner), once written."""
-  if not log_path:
-    return proc.stdout.readline().strip()
+def _banner(log_path: str) -> str:
+  """The server's first "# ..." line (JAX's compile log and warnings come
+  before it)."""
   with open(log_path) as f:
-    for line in f:
-      # JAX's compile log and warnings come before the banner.
-      if line.startswith("#"):
-        return line.strip()
-  return None
+    return next((line.strip() for line in f if line.startswith("#")), "")
 
 
 def compiles_in(log_path: str, after: int = 0) -> list[str]:
-  """The JAX compilations a server logged (`start_server(log_path=...)`)
+  """The JAX compilations a server logged (`start_server`'s log)
   past byte `after` of its log: one line each, the function and shapes."""
   with open(log_path, errors="replace") as f:
     f.seek(after)

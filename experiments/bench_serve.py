@@ -88,8 +88,8 @@ def main(argv):
                 *shlex.split(_SERVE_FLAGS.value)]
   log_dir = tempfile.mkdtemp(prefix="bench_serve_")
   log_path = os.path.join(log_dir, "server.log")
-  proc, url, key, banner, model = serve_load.start_server(
-      serve_args, log_path=log_path)
+  proc, url, key, banner, model = serve_load.start_server(serve_args,
+                                                          log_path)
   ready = os.path.getsize(log_path)
   print(banner, flush=True)
   try:

@@ -160,13 +160,7 @@ flags.DEFINE_integer("eval_every", 10, "Steps between greedy evals on "
                      "held-out tasks (0: none).")
 flags.DEFINE_integer("eval_tasks", 64, "Held-out tasks per eval.")
 flags.DEFINE_integer("checkpoint_every", 10, "Steps between checkpoints.")
-flags.DEFINE_bool("async_checkpoint", True, "Write checkpoints in the "
-                  "background while training goes on (false: each save "
-                  "blocks until written).")
-flags.DEFINE_bool("checkpoint_device_copy", True, "With --async_checkpoint: "
-                  "copy the state on the device and move it to host memory "
-                  "in the background (one more state in device memory "
-                  "meanwhile; false: each save waits for the host copy).")
+train_flags.define_save_modes()
 flags.DEFINE_integer("warm_start_seq_len", loop.RLRunConfig.warm_start_seq_len,
                      "Tokens per SFT row (a demonstration must fit one).")
 flags.DEFINE_integer("seed", 0, "Tasks, sampling and init.")

@@ -36,10 +36,7 @@ def define_cadence(*, eval_every: int, eval_batches: int,
   --keep_checkpoints, --async_checkpoint and --checkpoint_device_copy, with
   the command's own eval defaults. They are
   registered to the calling script, so its --helpshort lists them."""
-  caller = inspect.currentframe().f_back.f_globals["__name__"]
-  kw = {"flag_values": flag_values,
-        # absl names the main module by its path (sys.argv[0]).
-        "module_name": sys.argv[0] if caller == "__main__" else caller}
+  kw = _registered_to(inspect.currentframe().f_back, flag_values)
   flags.DEFINE_integer("log_every", 10, "Steps between metric lines.", **kw)
   flags.DEFINE_integer("eval_every", eval_every,
                        "Steps between validation evals.", **kw)
@@ -48,6 +45,17 @@ def define_cadence(*, eval_every: int, eval_batches: int,
   flags.DEFINE_integer("checkpoint_every", 100,
                        "Steps between checkpoints.", **kw)
   flags.DEFINE_integer("keep_checkpoints", 3, "Checkpoints kept.", **kw)
+  _define_save_modes(kw)
+
+
+def define_save_modes(flag_values: flags.FlagValues = FLAGS) -> None:
+  """--async_checkpoint and --checkpoint_device_copy alone (for a command
+  with its own cadence flags), registered to the calling script."""
+  _define_save_modes(_registered_to(inspect.currentframe().f_back,
+                                    flag_values))
+
+
+def _define_save_modes(kw: dict) -> None:
   flags.DEFINE_bool("async_checkpoint", True,
                     "Write checkpoints in the background while training "
                     "goes on (false: each save blocks until written).", **kw)
@@ -56,6 +64,14 @@ def define_cadence(*, eval_every: int, eval_batches: int,
                     "and move it to host memory in the background (one "
                     "more state in device memory meanwhile; false: each "
                     "save waits for the host copy).", **kw)
+
+
+def _registered_to(frame, flag_values: flags.FlagValues) -> dict:
+  """DEFINE_* keywords registering flags to the module of `frame`."""
+  caller = frame.f_globals["__name__"]
+  # absl names the main module by its path (sys.argv[0]).
+  return {"flag_values": flag_values,
+          "module_name": sys.argv[0] if caller == "__main__" else caller}
 
 
 def given(table: Mapping[str, str], *, explicit_only: bool = True,
