@@ -58,7 +58,9 @@ flags.DEFINE_list("gpus", ["1", "2", "4"], "GPU counts (mesh expert=n).")
 flags.DEFINE_list(
     "compare", ["chunks=2", "data"], "Extra runs at the largest count, in "
     "order: chunks=N (each device's tokens in N exchanges), all_to_all=IMPL "
-    "(another exchange), data (experts replicated, pure data parallel).")
+    "(another exchange), capacity=F (another capacity factor; 0: the "
+    "worst-case buffer, dropless), data (experts replicated, pure data "
+    "parallel).")
 flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 flags.DEFINE_integer("batch_per_gpu", 8, "Rows per GPU per step.")
 flags.DEFINE_integer("steps", 10, "Timed steps.")
@@ -95,6 +97,9 @@ def _runs():
     elif kind == "all_to_all":
       runs.append(dict(name=f"expert={n},{value}", n=n, mesh=f"expert={n}",
                        all_to_all=value))
+    elif kind == "capacity":
+      runs.append(dict(name=f"expert={n},capacity={value}", n=n,
+                       mesh=f"expert={n}", capacity_factor=float(value)))
     else:
       runs.append(dict(name=f"{item}={n}", n=n, mesh=f"{item}={n}"))
   return runs
@@ -118,10 +123,18 @@ def _check_compare():
       raise settings_lib.SettingsError(
           f"--compare: {item!r}: all_to_all must be one of "
           f"{settings_lib.ALL_TO_ALLS}")
-    if kind not in ("chunks", "all_to_all") and (value or kind not in (
-        "data", "fsdp", "tensor")):
+    if kind == "capacity":
+      try:
+        if float(value) < 0:
+          raise ValueError
+      except ValueError:
+        raise settings_lib.SettingsError(
+            f"--compare: {item!r}: capacity=F needs a number >= 0") from None
+    if kind not in ("chunks", "all_to_all", "capacity") and (
+        value or kind not in ("data", "fsdp", "tensor")):
       raise settings_lib.SettingsError(
-          f"--compare: {item!r}: expected chunks=N, all_to_all=IMPL or a "
+          f"--compare: {item!r}: expected chunks=N, all_to_all=IMPL, "
+          f"capacity=F or a "
           f"mesh axis (data, fsdp, tensor)")
 
 
@@ -144,7 +157,9 @@ def _prepare(run, mcfg, tcfg):
   batch["num_bytes"] = jax.ShapeDtypeStruct((rows,), jnp.int32)
   mcfg = mcfg.replace(settings=mcfg.settings.replace(
       exchange_chunks=run.get("chunks", mcfg.settings.exchange_chunks),
-      all_to_all=run.get("all_to_all", mcfg.settings.all_to_all)))
+      all_to_all=run.get("all_to_all", mcfg.settings.all_to_all),
+      capacity_factor=run.get("capacity_factor",
+                              mcfg.settings.capacity_factor)))
   train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
   if mesh is None:
     dev = jax.sharding.SingleDeviceSharding(devices[0])

@@ -72,9 +72,11 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
       "multiples of a device's average rows (T*K); 0 = the worst case, so "
       "no token is ever dropped (moe/dropped counts drops otherwise).", **d)
   flags.DEFINE_enum("all_to_all", "auto", list(settings_lib.ALL_TO_ALLS),
-                    "Expert-parallel exchange: ragged_all_to_all, its dense "
-                    "emulation, or fixed per-peer slabs sized by "
-                    "--moe_capacity_factor (auto: dense on CPU only).", **d)
+                    "Expert-parallel exchange: allgather (tokens gathered "
+                    "over the expert axis, sums reduce-scattered back), "
+                    "ragged_all_to_all, its dense emulation, or fixed "
+                    "per-peer slabs sized by --moe_capacity_factor (auto: "
+                    "allgather; dense on CPU).", **d)
   flags.DEFINE_integer("exchange_chunks", 1, "Independent expert exchanges "
                        "per device and layer (overlap all-to-all and "
                        "grouped matmuls).", **d)
@@ -121,7 +123,7 @@ def xla_flags_for(mesh_spec: str, all_to_all: str, decomposer: bool,
   the user set wins."""
   experts_split = bool(mesh_spec) and sharding.parse_mesh(mesh_spec)[
       "expert"] > 1
-  wanted = (decomposer and experts_split and all_to_all in ("auto", "ragged")
+  wanted = (decomposer and experts_split and all_to_all == "ragged"
             and "ragged_all_to_all_decomposer" not in xla_flags)
   return f"{xla_flags} {RAGGED_DECOMPOSER_FLAG}".strip() if wanted else xla_flags
 

@@ -45,7 +45,7 @@ from m2jax.errors import UserError
 # what each runs: m2jax.model.attention.attention_impl.
 ATTENTIONS = ("auto", "xla", "cudnn", "tree", "blockwise")
 # Expert-parallel exchanges (m2jax/model/expert_parallel.py).
-ALL_TO_ALLS = ("auto", "ragged", "dense", "slabs")
+ALL_TO_ALLS = ("auto", "ragged", "dense", "slabs", "allgather")
 # Positions per lm_head / cross-entropy chunk of the train and eval steps:
 # [B, 1024, V] float32 logits at a time (128 MiB a row at V = 32768).
 DEFAULT_LOSS_CHUNK = 1024
@@ -93,10 +93,13 @@ class Settings:
     passes it to the grouped matmul.
   all_to_all: expert-parallel exchange, "ragged" (ragged_all_to_all; GPU and
     TPU), "dense" (its exact emulation; any backend), "slabs" (fixed
-    per-peer slabs sized by capacity_factor; NCCL's all-to-all) or "auto"
-    (ragged unless the backend is CPU).
-  capacity_factor: expert-parallel receive buffer in multiples of a
-    device's average rows (T_local * top_k); 0 sizes it for the worst case
+    per-peer slabs sized by capacity_factor; NCCL's all-to-all),
+    "allgather" (every device gathers the "expert" group's tokens and runs
+    its experts on the rows routed to them; a reduce-scatter returns the
+    sums: m2jax.model.expert_parallel.gather_exchange) or "auto"
+    ("allgather", "dense" on CPU).
+  capacity_factor: expert-parallel receive buffer (for "allgather": the
+    rows of its local experts) in multiples of a device's average rows (T_local * top_k); 0 sizes it for the worst case
     so no token is ever dropped; rows past it are dropped and counted
     (RoutingStats.dropped).
   exchange_chunks: split each device's tokens into this many independent

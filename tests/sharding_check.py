@@ -45,7 +45,10 @@ from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-pos
 # counter) is checked against one device there.
 MESHES = {"data=8": Settings(), "fsdp=2,expert=4": Settings(),
           "data=2,expert=2,tensor=2": Settings(exchange_chunks=2),
-          "fsdp=2,expert=4 slabs": Settings(all_to_all="slabs")}
+          "fsdp=2,expert=4 slabs": Settings(all_to_all="slabs"),
+          "fsdp=2,expert=4 allgather": Settings(all_to_all="allgather"),
+          "data=2,expert=2,tensor=2 allgather": Settings(
+              all_to_all="allgather", exchange_chunks=2)}
 # TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.
 MCFG = config_lib.TINY.replace(num_layers=1)
 # eps well above float32 noise: Adam's first steps are sign-like and would
@@ -278,7 +281,7 @@ def check_capacity(variables, batch, result):
   mesh = sharding.make_mesh("fsdp=2,expert=4")
   placed = sharding.place(variables, sharding.variable_shardings(MCFG, mesh))
   result["capacity"] = {}
-  for impl in ("dense", "slabs"):
+  for impl in ("dense", "slabs", "allgather"):
     cfg = MCFG.replace(settings=Settings(capacity_factor=0.25,
                                          all_to_all=impl))
     forward = jax.jit(functools.partial(model.forward, cfg))
@@ -332,6 +335,59 @@ def check_exchange_values(result):
         "dropped": dropped.tolist(), "want_dropped": want_dropped.tolist()}
 
 
+def check_gather_exchange_values(result):
+  """gather_exchange() against its numpy reference on skewed routing, with
+  a buffer too small (drops) and the worst-case one (none): outputs,
+  drop counts, and the gradients of tokens and weights against the same
+  sums computed without any exchange."""
+  n, e, tokens, k, d = 4, 8, 24, 2, 8
+  mesh = jax.make_mesh((n,), ("expert",), (jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  rng = np.random.default_rng(1)
+  skew = rng.dirichlet(np.full(e, .4))
+  experts = np.stack([[rng.choice(e, k, replace=False, p=skew)
+                       for _ in range(tokens)] for _ in range(n)]
+                     ).astype(np.int32)
+  x = rng.normal(size=(n, tokens, d)).astype(np.float32)
+  w = rng.uniform(size=(n, tokens, k)).astype(np.float32)
+  scale = lambda ids: ids.astype(np.float32) + 1   # expert e: rows * (e + 1)
+  result["gather_exchange"] = {}
+  for factor in (0.5, 0.0):
+
+    def body(x, experts, w):
+      me = jax.lax.axis_index("expert")
+
+      def experts_fn(rows, local_sizes):
+        local = jnp.searchsorted(jnp.cumsum(local_sizes),
+                                 jnp.arange(rows.shape[0]), side="right")
+        return rows * (me * (e // n) + local + 1)[:, None].astype(rows.dtype)
+
+      y, dropped = expert_parallel.gather_exchange(
+          x[0], experts[0], w[0], experts_fn, num_experts=e,
+          capacity_factor=factor)
+      return y[None], dropped[None]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("expert"),
+                       out_specs=P("expert"))
+    y, dropped = (np.asarray(a) for a in jax.jit(fn)(x, experts, w))
+    capacity = expert_parallel.buffer_rows(tokens, k, e, n, factor)
+    want, want_dropped = expert_parallel_ref.gather_exchange_reference(
+        x, experts, w, e, lambda rows, ids: rows * scale(ids)[:, None],
+        capacity)
+    # Gradients of sum(y * c) for tokens and weights, against the direct sum.
+    c = rng.normal(size=x.shape).astype(np.float32)
+    got_g = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, experts, w)[0] * c),
+                             argnums=(0, 1)))(x, w)
+    want_g = jax.grad(lambda x, w: jnp.sum(jnp.einsum(
+        "stkd,stk->std", x[:, :, None, :] * scale(experts)[..., None], w)
+                                           * c), argnums=(0, 1))(x, w)
+    result["gather_exchange"][str(factor)] = {
+        "max_err": float(np.abs(y - want).max()),
+        "dropped": dropped.tolist(), "want_dropped": want_dropped.tolist(),
+        "grad_err": (None if factor else max(
+            float(np.abs(a - b).max()) for a, b in zip(got_g, want_g)))}
+
+
 def check_dense_all_to_all(result):
   """The CPU emulation reproduces ragged_all_to_all's documented example."""
   mesh = jax.make_mesh((2,), ("expert",), (jax.sharding.AxisType.Auto,),
@@ -379,6 +435,7 @@ def main():
   result["t_cap"] = round(time.time() - t, 1)
   check_dense_all_to_all(result)
   check_exchange_values(result)
+  check_gather_exchange_values(result)
   check_ragged_lowering(variables, batch, result)
   result["t_ragged"] = round(time.time() - t, 1)
   result["seconds"] = round(time.time() - start, 1)

@@ -144,17 +144,18 @@ def test_flags_build_the_settings():
 def test_ragged_decomposer_added_only_where_it_applies():
   flag = run_flags.RAGGED_DECOMPOSER_FLAG
   xla_flags_for = run_flags.xla_flags_for
-  assert xla_flags_for("data=2,expert=4", "auto", True) == flag
+  assert xla_flags_for("data=2,expert=4", "ragged", True) == flag
   assert xla_flags_for("expert=2", "ragged", True, "--a=1") == \
       f"--a=1 {flag}"
   # Not without expert parallelism, another exchange, when switched off, or
   # when the user already chose a value.
   for args in (("data=8", "auto", True), ("", "auto", True),
                ("expert=4", "slabs", True), ("expert=4", "dense", True),
-               ("expert=4", "auto", False)):
+               ("expert=4", "auto", True), ("expert=4", "allgather", True),
+               ("expert=4", "ragged", False)):
     assert xla_flags_for(*args, "--a=1") == "--a=1", args
   mine = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=false"
-  assert xla_flags_for("expert=4", "auto", True, mine) == mine
+  assert xla_flags_for("expert=4", "ragged", True, mine) == mine
   with pytest.raises(sharding.MeshError, match="expected AXIS=SIZE"):
     xla_flags_for("experts=4", "auto", True)
 

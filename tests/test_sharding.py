@@ -110,7 +110,9 @@ def report(tmp_path_factory):
 # checks the whole train step on it (loss, gradients through the updates).
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=2,expert=4",
                                   "data=2,expert=2,tensor=2",
-                                  "fsdp=2,expert=4 slabs"])
+                                  "fsdp=2,expert=4 slabs",
+                                  "fsdp=2,expert=4 allgather",
+                                  "data=2,expert=2,tensor=2 allgather"])
 def test_sharded_forward_loss_and_grads_equal_one_device(report, mesh):
   r = report["meshes"][mesh]
   assert r["loss"] <= TOL and r["logits"] <= TOL and r["grads"] <= TOL, r
@@ -182,7 +184,7 @@ def test_mtp_growth_phase_on_a_mesh_reads_on_one_device(report):
 def test_drop_counter_counts_only_real_drops(report):
   # Zero everywhere above (worst-case buffer); a quarter of the average
   # rows per device must drop some, and the output stays finite.
-  for impl in ("dense", "slabs"):
+  for impl in ("dense", "slabs", "allgather"):
     assert report["capacity"][impl]["dropped"] > 0, impl
     assert report["capacity"][impl]["logits_finite"], impl
 
@@ -205,3 +207,16 @@ def test_exchange_values_with_drops(report):
     assert got["dropped"] == got["want_dropped"], (name, got)
   assert sum(r["slabs@0.5"]["dropped"]) > 0 and sum(r["dense@0.5"]["dropped"]) > 0
   assert sum(r["slabs@0.0"]["dropped"]) == 0  # worst-case slabs: dropless
+
+
+def test_gather_exchange_values_with_drops(report):
+  # The all-gather exchange on skewed routing: every kept pair's output,
+  # weighted, in its token's sum; the pairs past a small buffer dropped and
+  # counted as the numpy model says; none dropped with the worst-case
+  # buffer, whose token and weight gradients equal the direct sum's.
+  r = report["gather_exchange"]
+  for name, got in r.items():
+    assert got["max_err"] <= TOL, (name, got)
+    assert got["dropped"] == got["want_dropped"], (name, got)
+  assert sum(r["0.5"]["dropped"]) > 0 and sum(r["0.0"]["dropped"]) == 0
+  assert r["0.0"]["grad_err"] <= TOL, r

@@ -8,6 +8,8 @@ grouped by expert, and are kept while there is room (in the destination's
 buffer, or in the (source, destination) slab). Tests compare the two
 (tests/test_expert_parallel.py on random count tables, tests/sharding_check.py
 on eight devices). Numpy only, loops over rows: for tiny tables.
+`gather_exchange_reference` does the same for the all-gather exchange
+(`expert_parallel.gather_exchange`).
 """
 
 from __future__ import annotations
@@ -107,3 +109,45 @@ def exchange_reference(x_SxRxD, counts_SxE,
     ys.append(np.where(keep_R[:, None], expert_fn(x_SxRxD[s], expert_R), 0))
     dropped_S.append(int((~keep_R).sum()))
   return np.stack(ys), np.array(dropped_S)
+
+
+def gather_exchange_reference(x_SxTxD, experts_SxTxK, weights_SxTxK,
+                              num_experts: int,
+                              expert_fn: Callable[[np.ndarray, np.ndarray],
+                                                  np.ndarray],
+                              capacity: int) -> tuple[np.ndarray, np.ndarray]:
+  """What `expert_parallel.gather_exchange` returns on every device.
+
+  Device d owns experts [d * L, (d + 1) * L), L = num_experts / n, and sees
+  the group's (token, choice) pairs in the order (source, token, choice).
+  It takes its pairs expert by expert, each expert's in that order, while
+  there is room for `capacity` rows; the others are dropped.
+
+  Args:
+    x_SxTxD, experts_SxTxK, weights_SxTxK: each device's tokens, chosen
+      global expert ids and combine weights.
+    num_experts: E.
+    expert_fn: (rows [N, D], global expert ids [N]) -> [N, D] outputs.
+    capacity: rows of local experts each device can hold.
+  Returns:
+    (y_SxTxD: each token's weighted sum of its kept pairs' outputs;
+     dropped_D: pairs each device dropped).
+  """
+  x = np.asarray(x_SxTxD, np.float64)
+  experts = np.asarray(experts_SxTxK)
+  weights = np.asarray(weights_SxTxK, np.float64)
+  n, t, k = experts.shape
+  l = num_experts // n
+  y = np.zeros_like(x)
+  dropped = np.zeros(n, np.int64)
+  for d in range(n):
+    room = capacity
+    for e in range(d * l, (d + 1) * l):
+      for s, i, j in zip(*np.nonzero(experts == e)):  # (s, i, j) order
+        if room == 0:
+          dropped[d] += 1
+          continue
+        room -= 1
+        y[s, i] += weights[s, i, j] * expert_fn(x[s, i][None],
+                                                np.array([e]))[0]
+  return y, dropped

@@ -311,10 +311,14 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
   impl = expert_parallel.resolve_impl(settings.all_to_all)
 
   def chunk(x, experts, weights, w1, w3, w2):
-    local = Routing(None, experts, weights)
-    x_sorted, sizes_E, sort = dispatch(x, local, E)
     run = lambda rows, sizes: swiglu_experts(rows, sizes, w1, w3, w2,
                                              settings=settings)
+    if impl == "allgather" and n_ep > 1:
+      return expert_parallel.gather_exchange(
+          x, experts, weights, run, num_experts=E,
+          capacity_factor=settings.capacity_factor)
+    local = Routing(None, experts, weights)
+    x_sorted, sizes_E, sort = dispatch(x, local, E)
     if n_ep == 1:
       y_sorted, dropped = run(x_sorted, sizes_E), jnp.zeros((), jnp.int32)
     else:
