@@ -21,6 +21,9 @@ and the next one tried. --compile_only stops after the memory analysis
 Settings flags are the training scripts' (experiments/run_flags.py), with
 --remat on by default: at 131,072 tokens the per-layer MoE activations
 (T x top_k rows of the expert matmuls) do not fit 80 GB for 12 layers.
+--mesh=sequence=N splits every row over N devices (context parallelism,
+m2jax.model.context_parallel: the paper's 196,608-token stage on several
+GPUs); MFU is then per device and the peak memory the largest device's.
 Runs on a CPU at tiny size:
   python -m experiments.bench_long_rows --preset=tiny --seq_len=2048,4096 \
       --steps=1 --warmup=1
@@ -36,7 +39,7 @@ import numpy as np
 from benchmarks import timing
 from experiments import cli, run_flags
 from m2jax import config as config_lib
-from m2jax import model, params
+from m2jax import model, params, sharding
 from m2jax.train import checkpoint
 from m2jax.train import state as state_lib
 from m2jax.train import step as step_lib
@@ -85,7 +88,7 @@ def _memory(compiled) -> dict:
           "arguments_gib": gib(m.argument_size_in_bytes)}
 
 
-def bench(settings, seq_len: int) -> dict:
+def bench(settings, seq_len: int, mesh=None) -> dict:
   base = config_lib.apply_overrides(config_lib.get_preset(FLAGS.preset),
                                     FLAGS.override)
   mcfg = base.replace(settings=settings, max_position_embeddings=max(
@@ -93,16 +96,24 @@ def bench(settings, seq_len: int) -> dict:
   tcfg = TrainConfig(steps=1000, mtp_depth=min(1, mcfg.num_mtp_modules))
   B, T = FLAGS.batch_size, seq_len
   rng = np.random.default_rng(0)
-  batches = [jax.device_put(packed_batch(rng, B, T, FLAGS.documents,
-                                         mcfg.vocab_size)) for _ in range(2)]
+  host = [packed_batch(rng, B, T, FLAGS.documents, mcfg.vocab_size)
+          for _ in range(2)]
   result = {"seq_len": T, "batch_size": B, "documents": FLAGS.documents}
+  make_state = lambda: state_lib.init_state(
+      mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
+  if mesh is None:
+    batches = [jax.device_put(b) for b in host]
+  else:
+    sharding.check_mesh(mcfg, mesh, B, seq_len=T)
+    result["mesh"] = sharding.format_mesh(mesh)
+    batches = [sharding.shard_batch(b, mesh) for b in host]
+    make_state = jax.jit(make_state, out_shardings=state_lib.state_shardings(
+        mcfg, tcfg, mesh))
   try:
-    make_state = lambda: state_lib.init_state(
-        mcfg, tcfg, model.init(mcfg, jax.random.key(0)))
     # Compiling needs only the state's shapes (no parameters in memory).
     state = (jax.eval_shape(make_state) if FLAGS.compile_only
              else make_state())
-    train, _ = step_lib.jit_steps(mcfg, tcfg)
+    train, _ = step_lib.jit_steps(mcfg, tcfg, mesh=mesh)
     t = time.perf_counter()
     compiled = train.lower(state, batches[0]).compile()
     result["compile_s"] = time.perf_counter() - t
@@ -120,10 +131,13 @@ def bench(settings, seq_len: int) -> dict:
   tps = B * T / step_s
   fpt = params.flops_per_token(mcfg, T // FLAGS.documents,
                                mtp_depth=tcfg.mtp_depth)
-  stats = jax.devices()[0].memory_stats() or {}
+  devices = jax.devices()[:1] if mesh is None else mesh.devices.flat
+  peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0)
+             for d in devices)
   return dict(result, step_s=step_s, tokens_per_sec=tps,
-              mfu=params.mfu(tps, fpt, peak_flops()),
-              peak_memory_gib=stats.get("peak_bytes_in_use", 0) / 2**30,
+              mfu=params.mfu(tps, fpt, peak_flops(),
+                             num_devices=1 if mesh is None else mesh.size),
+              peak_memory_gib=peak / 2**30,
               loss=float(metrics["loss"]))
 
 
@@ -131,15 +145,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   mesh, settings = run_flags.from_flags()
-  if mesh is not None:
-    raise config_lib.ConfigError("bench_long_rows times one device; leave "
-                                 "--mesh empty")
   lengths = sorted(int(n) for n in FLAGS.seq_len)
   result = {"device": jax.devices()[0].device_kind, "preset": FLAGS.preset,
             "overrides": FLAGS.override, "settings": settings.to_dict(),
             "runs": []}
+  if mesh is not None:
+    result["mesh"] = sharding.format_mesh(mesh)
   for T in lengths:
-    r = bench(settings, T)
+    r = bench(settings, T, mesh)
     result["runs"].append(r)
     print(json.dumps(r), flush=True)
   print(f"\n{result['device']}: {FLAGS.preset} B={FLAGS.batch_size}, "

@@ -1,7 +1,7 @@
 r"""Weak scaling of expert-parallel pretraining on 1, 2 and 4 GPUs of one host.
 
   NCCL_NVLS_ENABLE=0 python -m experiments.bench_scaling --preset=m2_small --gpus=1,2,4 \
-      --all_to_all=ragged --compare=chunks=2,all_to_all=slabs,data \
+      --compare=capacity=0,chunks=2,all_to_all=ragged,data \
       --out=benchmarks/results/scaling/run.json
 
 The Settings flags (experiments/run_flags.py: --all_to_all,
@@ -75,7 +75,7 @@ cli.integer_lists("gpus")
 # How every run steps (Settings): --all_to_all, --exchange_chunks,
 # --gmm_backend, ...; the capacity factor's worst case (0) is n x the
 # average rows at m2_small, too much memory at n=4.
-run_flags.define(all_to_all="ragged", moe_capacity_factor=1.5)
+run_flags.define(all_to_all="allgather", moe_capacity_factor=1.5)
 
 
 def _write(result):
