@@ -63,6 +63,14 @@ from m2jax.errors import MissingPathError, UserError
 
 log = logging.getLogger(__name__)
 
+# One orbax `save` call at a time in this process. With device_copy each
+# Checkpointer calls it from its own thread, and two of them at once (the
+# models of one vmapped sweep program, saved in the same step) raced inside
+# orbax: both created step 1's temporary directories of one run, and the
+# save failed with "Directory not empty" (tests/test_sweep.py, once in
+# several runs). The calls only start orbax's writes, which still overlap.
+_ORBAX_SAVE = threading.Lock()
+
 CORRUPT_DIR = "checkpoints_corrupt"  # beside checkpoints/, in the workdir
 
 
@@ -223,10 +231,11 @@ class Checkpointer:
       self.wait()
 
   def _save(self, step: int, state, data_state: dict, meta: dict) -> None:
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
-        meta=ocp.args.JsonSave(meta)), force=True)
+    with _ORBAX_SAVE:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=ocp.args.JsonSave(data_state),
+          meta=ocp.args.JsonSave(meta)), force=True)
 
   def _save_in_background(self, step, snapshot, data_state, meta) -> None:
     try:
