@@ -9,6 +9,11 @@ writes JSON. TFLOP/s count only real rows: 2 * sum(group_sizes) * K * N per
 product, x3 for forward+backward (m2jax.params.matmul_flops).
 
   python -m experiments.bench_gmm --out=benchmarks/results/gmm_h100.json
+
+m2_small's experts (64 of D=1024, F=512), with a tile sweep of ours:
+  python -m experiments.bench_gmm --dims=1024,512 --experts=64 \
+      --tokens=16384,32768 --impls=dense,ours --routings=uniform \
+      --ours_configs=128x4,128x3,256x3,64x4 --out=benchmarks/results/gmm_m2_small_h100.json
 """
 
 import datetime
@@ -28,8 +33,10 @@ from kernels import gmm_mosaic
 from m2jax import params
 
 _TOKENS = flags.DEFINE_list("tokens", ["16384", "4096"], "token counts T")
-_PROJS = flags.DEFINE_list("projs", ["up", "down"], "up: K=3072,N=1536; "
-                           "down: K=1536,N=3072")
+_PROJS = flags.DEFINE_list("projs", ["up", "down"], "up: K=D, N=F; "
+                           "down: K=F, N=D (--dims)")
+_DIMS = flags.DEFINE_list("dims", ["3072", "1536"], "D,F: the model width "
+                          "and one expert's FFN width (M2: 3072,1536)")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "routing")
 _IMPLS = flags.DEFINE_list(
     "impls", ["dense", "xla", "tokamax", "jax_mgpu", "ours"], "candidates")
@@ -44,10 +51,17 @@ _XLA_MAX_T = flags.DEFINE_integer("xla_max_tokens", 4096,
                                   "skip jax.lax.ragged_dot above this T "
                                   "(it densifies and runs out of memory)")
 _OUT = flags.DEFINE_string("out", "benchmarks/results/gmm_h100.json", "JSON")
-cli.integer_lists("tokens")
+cli.integer_lists("tokens", "dims")
+flags.register_validator("dims", lambda v: len(v) == 2,
+                         "must be D,F: two integers")
 _MAX_ERR = 1e-2
 
-_SHAPES = {"up": (3072, 1536), "down": (1536, 3072)}
+
+
+def _shapes():
+  """(K, N) of each projection, from --dims."""
+  d, f = (int(x) for x in _DIMS.value)
+  return {"up": (d, f), "down": (f, d)}
 
 # Peer sweeps: (block_m, block_n, max_concurrent_steps, grid_block_n).
 _JAX_FWD_SWEEP = [(128, 128, 4, 1), (128, 128, 4, 4), (64, 256, 4, 1),
@@ -63,7 +77,7 @@ _TOKAMAX_SWEEP = [
 
 
 def _problem(t, proj, routing):
-  k, n = _SHAPES[proj]
+  k, n = _shapes()[proj]
   gs = gb.group_sizes(t, _EXPERTS.value, _TOP_K.value, routing)
   m = t * _TOP_K.value
   kx, kw, kc = jax.random.split(jax.random.key(t + len(proj)), 3)
@@ -205,7 +219,7 @@ def main(argv):
     for proj in _PROJS.value:
       for routing in _ROUTINGS.value:
         args, gs_np = _problem(t, proj, routing)
-        k, n = _SHAPES[proj]
+        k, n = _shapes()[proj]
         rows = int(gs_np.sum())  # real rows: the FLOPs count only these
         flops = params.matmul_flops(rows, k, n)
         check = Checker(args, gs_np)

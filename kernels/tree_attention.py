@@ -27,6 +27,12 @@ runs the full ones without any mask and masks inside the partial ones only.
 The backward pass over k blocks uses the transposed lists. Queries with no
 visible key (impossible when subtree_end[j] > j) get a zero output.
 
+`query_rows=(start, stop)` computes only the queries of rows start..stop-1
+(every tile outside them is empty in all three lists; the other rows'
+outputs are zero and get no gradient), the keys still the whole row: how a
+context-parallel shard runs the kernels on its queries against the gathered
+row (m2jax.model.attention.shard_attention).
+
 Example:
   out_BxTxNxH = tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
                                subtree_end_BxT, segment_ids_BxT)
@@ -155,9 +161,10 @@ class TreeAttentionConfig:
     return max(self.block_q, self.block_k, self.block_q_dq, self.block_k_dq,
                self.block_q_dkv, self.block_k_dkv)
 
-  def lists(self, se, seg, kernel: str):
+  def lists(self, se, seg, kernel: str, rows=None):
     """Tile lists and counts of one kernel ("fwd", "dq" or "dkv", the last
-    transposed: per k tile) for this backend's tiles."""
+    transposed: per k tile) for this backend's tiles; `rows` [2]: only
+    query rows start..stop-1 are computed."""
     if self.backend == "mosaic":
       t = _mosaic.TILE
       bq, bk = {"fwd": (t, self.mosaic_block_k),
@@ -167,7 +174,7 @@ class TreeAttentionConfig:
       bq, bk = {"fwd": (self.block_q, self.block_k),
                 "dq": (self.block_q_dq, self.block_k_dq),
                 "dkv": (self.block_q_dkv, self.block_k_dkv)}[kernel]
-    return _lists(se, seg, bq, bk, transpose=kernel == "dkv")
+    return _lists(se, seg, bq, bk, transpose=kernel == "dkv", rows=rows)
 
 
 # ----------------------------------------------------------------- masks ---
@@ -230,8 +237,10 @@ def tree_attention_reference(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
 # ------------------------------------------------------------ tile lists ---
 
 def block_classes(subtree_end_BxT, segment_ids_BxT, block_q: int,
-                  block_k: int):
-  """(live, full) booleans [B, T/block_q, T/block_k] for every tile."""
+                  block_k: int, rows=None):
+  """(live, full) booleans [B, T/block_q, T/block_k] for every tile; with
+  `rows` = [start, stop], tiles without a query row in start..stop-1 are
+  empty."""
   B, T = subtree_end_BxT.shape
   nq, nk = T // block_q, T // block_k
   se = subtree_end_BxT.reshape(B, nk, block_k)
@@ -247,6 +256,9 @@ def block_classes(subtree_end_BxT, segment_ids_BxT, block_q: int,
   live = (c <= b) & (se_max > a) & (kmin <= qmax) & (qmin <= kmax)
   full = (live & (d <= a) & (se_min > b) & (qmin == qmax) & (kmin == kmax)
           & (qmin == kmin))
+  if rows is not None:
+    wanted = (b >= rows[0]) & (a < rows[1])
+    live, full = live & wanted, full & wanted
   return live, full
 
 
@@ -261,8 +273,8 @@ def block_lists(live, full):
   return lists, counts.astype(jnp.int32)
 
 
-def _lists(se, seg, bq, bk, transpose=False):
-  live, full = block_classes(se, seg, bq, bk)
+def _lists(se, seg, bq, bk, transpose=False, rows=None):
+  live, full = block_classes(se, seg, bq, bk, rows)
   if transpose:
     live, full = live.swapaxes(1, 2), full.swapaxes(1, 2)
   return block_lists(live, full)
@@ -277,20 +289,20 @@ _KERNELS = {
                 for f in (mod.forward, mod.backward_dq, mod.backward_dkv))
     for name, mod in (("mosaic", _mosaic), ("triton", _triton))}
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, se, seg, scale, cfg):
-  return _forward(q, k, v, se, seg, scale, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attention(q, k, v, se, seg, rows, scale, cfg):
+  return _forward(q, k, v, se, seg, rows, scale, cfg)[0]
 
 
-def _forward(q, k, v, se, seg, scale, cfg):
-  lists, counts = cfg.lists(se, seg, "fwd")
+def _forward(q, k, v, se, seg, rows, scale, cfg):
+  lists, counts = cfg.lists(se, seg, "fwd", rows)
   fwd = _KERNELS[cfg.backend][0]
   return fwd(q, k, v, se, seg, lists, counts, scale=scale, cfg=cfg)
 
 
-def _attention_fwd(q, k, v, se, seg, scale, cfg):
-  out, lse = _forward(q, k, v, se, seg, scale, cfg)
-  return out, (q, k, v, se, seg, out, lse)
+def _attention_fwd(q, k, v, se, seg, rows, scale, cfg):
+  out, lse = _forward(q, k, v, se, seg, rows, scale, cfg)
+  return out, (q, k, v, se, seg, rows, out, lse)
 
 
 def softmax_delta(out, do):
@@ -301,15 +313,16 @@ def softmax_delta(out, do):
 
 
 def _attention_bwd(scale, cfg, res, do):
-  q, k, v, se, seg, out, lse = res
+  q, k, v, se, seg, rows, out, lse = res
   delta = softmax_delta(out, do)
-  dq_lists, dkv_lists = cfg.lists(se, seg, "dq"), cfg.lists(se, seg, "dkv")
+  dq_lists = cfg.lists(se, seg, "dq", rows)
+  dkv_lists = cfg.lists(se, seg, "dkv", rows)
   _, dq_kernel, dkv_kernel = _KERNELS[cfg.backend]
   dq = dq_kernel(q, k, v, do, lse, delta, se, seg, *dq_lists, scale=scale,
                  cfg=cfg)
   dk, dv = dkv_kernel(q, k, v, do, lse, delta, se, seg, *dkv_lists,
                       scale=scale, cfg=cfg)
-  return dq, dk, dv, None, None
+  return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -363,7 +376,8 @@ def _resolve_backend(cfg, dtypes, head_dim, scale=1.0):
 
 def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
                    segment_ids_BxT=None, *, scale=None,
-                   config: TreeAttentionConfig | None = None):
+                   config: TreeAttentionConfig | None = None,
+                   query_rows=None):
   """Flash attention under the tree mask; see the module docstring.
 
   Args:
@@ -373,6 +387,9 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
     scale: logit scale, default head_dim ** -0.5.
     config: backend and tile sizes; None is `TreeAttentionConfig()` (auto).
       `TreeAttentionConfig(interpret=True)` runs the kernels on CPU.
+    query_rows: optional (start, stop), ints or traced int32 scalars: only
+      the queries of rows start..stop-1 are computed; the other rows give
+      zeros and pass no gradient (module docstring).
   Returns:
     [B, T, N, H] in q's dtype.
   """
@@ -384,10 +401,17 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
   scale = float(H ** -0.5 if scale is None else scale)
   cfg = _resolve_backend(
       cfg, (q_BxTxNxH.dtype, k_BxTxKxH.dtype, v_BxTxKxH.dtype), H, scale)
+  if query_rows is None:
+    rows, keep = jnp.asarray([0, T], jnp.int32), lambda out: out
+  else:
+    rows = jnp.stack([jnp.asarray(r, jnp.int32) for r in query_rows])
+    i = jnp.arange(T, dtype=jnp.int32)[None, :, None, None]
+    keep = lambda out: jnp.where((i >= rows[0]) & (i < rows[1]), out,
+                                 jnp.zeros((), out.dtype))
   if cfg.backend == "xla":
-    return tree_attention_reference(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-                                    subtree_end_BxT, segment_ids_BxT,
-                                    scale=scale)
+    return keep(tree_attention_reference(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT, segment_ids_BxT,
+        scale=scale))
   se = subtree_end_BxT.astype(jnp.int32)
   seg = (jnp.zeros_like(se) if segment_ids_BxT is None
          else segment_ids_BxT.astype(jnp.int32))
@@ -400,5 +424,5 @@ def tree_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, subtree_end_BxT,
     se = jnp.concatenate([se, jnp.broadcast_to(tail + 1, (B, Tp - T))], 1)
     seg = jnp.concatenate(
         [seg, jnp.full((B, Tp - T), _PAD_SEGMENT, jnp.int32)], 1)
-  out = _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, se, seg, scale, cfg)
-  return out[:, :T]
+  out = _attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, se, seg, rows, scale, cfg)
+  return keep(out[:, :T])

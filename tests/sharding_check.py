@@ -127,9 +127,13 @@ def check_meshes(variables, batch, result):
 CP_MCFG = MCFG.replace(attention_pattern=("sliding",), sliding_window=5,
                        num_sink_tokens=1, aux_loss_coef=0.01)
 # "blockwise": each shard runs the blockwise flash kernel (what rows past
-# DENSE_MAX_LEN run, e.g. the 196K stage) instead of the dense mask.
+# DENSE_MAX_LEN run off a GPU) instead of the dense mask; "tree": the
+# full-attention MTP block's shards run the tree kernels on their query rows
+# (what a GPU runs; here the portable kernels, interpreted).
 CP_MESHES = {"sequence=8": Settings(), "data=2,sequence=2,tensor=2": Settings(),
-             "sequence=8 blockwise": Settings(attention="blockwise")}
+             "sequence=8 blockwise": Settings(attention="blockwise"),
+             "sequence=8 tree": Settings(attention="tree", interpret=True,
+                                         gmm_backend="xla")}
 
 
 def _packed_batch(B=8, T=32):

@@ -183,6 +183,57 @@ def test_live_entries_counts_visible_pairs():
   assert ta.live_entries(se[None])[0] == mask.sum()
 
 
+def _rows_only(fn, start, stop):
+  """fn's output with the rows outside start..stop-1 zeroed."""
+  def out(*args):
+    y = fn(*args)
+    i = jnp.arange(y.shape[1])[None, :, None, None]
+    return jnp.where((i >= start) & (i < stop), y, 0.0)
+  return out
+
+
+@pytest.mark.parametrize("start,stop", [(21, 50), (32, 64), (0, 75)])
+def test_query_rows_compute_only_those_rows(start, stop):
+  """query_rows (a context-parallel shard's queries against the whole row):
+  those rows and all three gradients as the reference's with the other
+  rows' outputs dropped; the others zero. start/stop are traced."""
+  rng = np.random.default_rng(start)
+  B, T = 2, 75
+  se, seg = zip(*(random_forest(rng, T) for _ in range(B)))
+  se, seg = jnp.asarray(np.stack(se)), jnp.asarray(np.stack(seg))
+  q, k, v = _qkv(start, B, T)
+  w = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+
+  def run(fn):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+    return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  got = jax.jit(lambda a, b: run(lambda q, k, v: ta.tree_attention(
+      q, k, v, se, seg, config=CFG, query_rows=(a, b))))(start, stop)
+  want = run(_rows_only(lambda q, k, v: ta.tree_attention_reference(
+      q, k, v, se, seg), start, stop))
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, r, atol=2e-4, rtol=1e-4)
+  assert not np.asarray(got[0])[:, :start].any()
+  assert not np.asarray(got[0])[:, stop:].any()
+
+
+def test_query_rows_empty_tiles_outside():
+  """Tiles with no query row in the range are in no kernel's list."""
+  se = jnp.full((1, 64), 64, jnp.int32)
+  seg = jnp.ones((1, 64), jnp.int32)
+  rows = jnp.array([16, 48])
+  live, _ = ta.block_classes(se, seg, 16, 16, rows)
+  assert not bool(live[0, 0].any()) and not bool(live[0, 3].any())
+  assert bool(live[0, 1, :2].all()) and bool(live[0, 2, :3].all())
+  # What the kernels get: no tile of q rows 0-15 or 48-63 in any list.
+  for kernel in ("fwd", "dq"):
+    _, counts = CFG.lists(se, seg, kernel, rows)
+    assert counts[0, :, :].sum(-1).tolist() == [0, 2, 3, 0], kernel
+  _, counts = CFG.lists(se, seg, "dkv", rows)  # per k tile: q tiles 1, 2
+  assert counts[0].sum(-1).tolist() == [2, 2, 1, 0]
+
+
 # ------------------------------------------------------------ mosaic GPU ---
 
 # The default Mosaic tiles: forward k tiles of 128, dq and dk/dv tiles of 64.
@@ -237,6 +288,38 @@ def test_mosaic_kernels_match_reference():
   nothing_visible = ~np.asarray(ta.tree_mask(se, seg)).any(-1)
   assert nothing_visible[1, 128:].all() and nothing_visible[0, 266:].any()
   assert np.all(np.asarray(got[0], np.float32)[nothing_visible] == 0.0)
+
+
+def test_mosaic_query_rows_match_reference():
+  """The Mosaic kernels with query_rows, as a context-parallel shard runs
+  them: packed documents on a 256-token row, the second 128-row program's
+  queries only (the first program's tile lists empty in all three kernels),
+  bf16 in the GPU interpreter, against the float32 reference."""
+  T, Hm = 256, 128
+  seg = jnp.asarray(np.repeat([1, 2, 3], [100, 90, 66])[None].astype(np.int32))
+  se = ta.chain_subtree_end(seg)
+  keys = jax.random.split(jax.random.key(1), 4)
+  q, k, v = (jax.random.normal(kk, (1, T, n, Hm), jnp.bfloat16)
+             for kk, n in zip(keys, (N, K, K)))
+  w = jax.random.normal(keys[3], (1, T, N, Hm), jnp.float32)
+
+  def run(fn, *args):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+    return fn(*args), jax.grad(loss, argnums=(0, 1, 2))(*args)
+
+  got = run(lambda q, k, v: ta.tree_attention(
+      q, k, v, se, seg, config=MOSAIC, query_rows=(128, 256)), q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  want = jax.jit(functools.partial(run, _rows_only(
+      lambda q, k, v: ta.tree_attention_reference(q, k, v, se, seg),
+      128, 256)))(*f32)
+  rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)
+                           / jnp.linalg.norm(b))
+  assert rel(got[0], want[0]) < 1e-2
+  for g, r in zip(got[1], want[1]):
+    assert rel(g, r) < 2e-2, rel(g, r)
+  assert not np.asarray(got[0], np.float32)[:, :128].any()
+  assert not np.asarray(got[1][0], np.float32)[:, :128].any()  # dq
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(mosaic_block_k_dq=128),

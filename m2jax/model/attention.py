@@ -41,7 +41,10 @@ asks for the dense reference. A sliding-window layer never runs "tree"
 
 Under a mesh whose "sequence" axis splits rows (context parallelism,
 m2jax/model/context_parallel.py) each device's queries attend to the
-gathered row through `shard_attention`, a rectangular `packed_attention`.
+gathered row through `shard_attention`: where "tree" would run on the whole
+row, the tree kernels on the row with only the shard's query rows computed
+(`tree_attention(query_rows=...)`); otherwise a rectangular
+`packed_attention` ("blockwise" for long rows).
 """
 
 from __future__ import annotations
@@ -249,9 +252,30 @@ def packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids_BxT,
 def shard_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
                     kv_segment_ids_BxS, q_positions_BxT, kv_positions_BxS,
                     q_offset, *, window: int | None, num_sink_tokens: int,
-                    impl: str):
+                    impl: str, tree_config: TreeAttentionConfig | None = None):
   """One context-parallel shard: T local queries (row tokens q_offset ..
-  q_offset + T - 1) over the S keys of the whole row."""
+  q_offset + T - 1) over the S keys of the whole row.
+
+  Where the whole row would run the tree kernels (a full layer; on a GPU in
+  half precision for "auto") the shard runs them too: the kernels are
+  square, so the shard's queries sit at their place in an [B, S] row of
+  zeros and only their rows are computed (query_rows), against the row's
+  chain intervals. Otherwise the rectangular `packed_attention`.
+  """
+  S = k_BxSxKxH.shape[1]
+  tree_config = tree_config or TreeAttentionConfig()
+  if (attention_impl(impl, q_BxTxNxH.dtype, jax.default_backend(),
+                     window=window, length=S) == "tree"
+      and not falls_back_to_reference(tree_config)):
+    T = q_BxTxNxH.shape[1]
+    q_row = jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((q_BxTxNxH.shape[0], S) + q_BxTxNxH.shape[2:],
+                  q_BxTxNxH.dtype), q_BxTxNxH, q_offset, axis=1)
+    out = tree_attention(q_row, k_BxSxKxH, v_BxSxKxH,
+                         chain_subtree_end(kv_segment_ids_BxS),
+                         kv_segment_ids_BxS, config=tree_config,
+                         query_rows=(q_offset, q_offset + T))
+    return jax.lax.dynamic_slice_in_dim(out, q_offset, T, axis=1)
   return packed_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, q_segment_ids_BxT,
                           q_positions_BxT, window=window, impl=impl,
                           num_sink_tokens=num_sink_tokens,
@@ -362,7 +386,8 @@ class Attention(nn.Module):
             "the prefix-tree layout does not run with a mesh sequence axis")
       out = context_parallel.attention(functools.partial(
           shard_attention, window=self.window,
-          num_sink_tokens=cfg.num_sink_tokens, impl=cfg.settings.attention),
+          num_sink_tokens=cfg.num_sink_tokens, impl=cfg.settings.attention,
+          tree_config=cfg.settings.tree_attention),
           q, k, v, segment_ids_BxT, positions_BxT)
     else:
       out = packed_attention(q, k, v, segment_ids_BxT, positions_BxT,
