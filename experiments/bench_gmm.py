@@ -1,4 +1,4 @@
-"""Grouped-matmul benchmark: ours vs dense, XLA ragged_dot, tokamax, JAX mgpu.
+r"""Grouped-matmul benchmark: ours vs dense, XLA ragged_dot, tokamax, JAX mgpu.
 
 One GPU run times, per problem (tokens T, projection, routing), the dense
 matmul of equal flops (the ceiling), `jax.lax.ragged_dot`, tokamax's Mosaic

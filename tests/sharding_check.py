@@ -46,9 +46,8 @@ from m2jax.train.metrics import read_metrics  # pylint: disable=wrong-import-pos
 MESHES = {"data=8": Settings(), "fsdp=2,expert=4": Settings(),
           "data=2,expert=2,tensor=2": Settings(exchange_chunks=2),
           "fsdp=2,expert=4 slabs": Settings(all_to_all="slabs"),
-          "fsdp=2,expert=4 allgather": Settings(all_to_all="allgather"),
-          "data=2,expert=2,tensor=2 allgather": Settings(
-              all_to_all="allgather", exchange_chunks=2)}
+          "fsdp=2,expert=4 allgather": Settings(all_to_all="allgather",
+                                                exchange_chunks=2)}
 # TINY (8 experts, top-2, GQA 6:2, one MTP module) with one layer: float32.
 MCFG = config_lib.TINY.replace(num_layers=1)
 # eps well above float32 noise: Adam's first steps are sign-like and would
@@ -126,12 +125,11 @@ def check_meshes(variables, batch, result):
 # cross shards too) joins the loss.
 CP_MCFG = MCFG.replace(attention_pattern=("sliding",), sliding_window=5,
                        num_sink_tokens=1, aux_loss_coef=0.01)
-# "blockwise": each shard runs the blockwise flash kernel (what rows past
-# DENSE_MAX_LEN run off a GPU) instead of the dense mask; "tree": the
-# full-attention MTP block's shards run the tree kernels on their query rows
-# (what a GPU runs; here the portable kernels, interpreted).
+# "tree": the full-attention MTP block's shards run the tree kernels on
+# their query rows (what a GPU runs; here the portable kernels,
+# interpreted), the sliding-window main layer's shards the blockwise flash
+# kernel (what rows past DENSE_MAX_LEN run off a GPU), not the dense mask.
 CP_MESHES = {"sequence=8": Settings(), "data=2,sequence=2,tensor=2": Settings(),
-             "sequence=8 blockwise": Settings(attention="blockwise"),
              "sequence=8 tree": Settings(attention="tree", interpret=True,
                                          gmm_backend="xla")}
 

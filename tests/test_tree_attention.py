@@ -192,7 +192,7 @@ def _rows_only(fn, start, stop):
   return out
 
 
-@pytest.mark.parametrize("start,stop", [(21, 50), (32, 64), (0, 75)])
+@pytest.mark.parametrize("start,stop", [(21, 50), (0, 75)])
 def test_query_rows_compute_only_those_rows(start, stop):
   """query_rows (a context-parallel shard's queries against the whole row):
   those rows and all three gradients as the reference's with the other
