@@ -62,7 +62,7 @@ def _op_row(event) -> dict:
           "tf_op": str(stats.get("tf_op") or "")}
 
 
-def op_events(path: str) -> dict:
+def op_events(path: str, device: int | None = None) -> dict:
   """Every HLO op execution in xplane `path`: {platform, ops: [{name,
   start_ns, duration_ns, tf_op}], busy_ns, span_ns}.
 
@@ -70,14 +70,17 @@ def op_events(path: str) -> dict:
   `tf_op` is the op's JAX name scope where the trace carries it), busy and
   span from the kernels of the stream lines. CPU traces (no GPU plane):
   the host's thunk events, those with an `hlo_op` stat; their threads run
-  ops concurrently, so busy is the union of the ops' intervals."""
-  return _op_events(ProfileData.from_file(path))
+  ops concurrently, so busy is the union of the ops' intervals. `device`:
+  only that GPU's plane (a trace of several GPUs running one SPMD program
+  holds each op once per GPU)."""
+  return _op_events(ProfileData.from_file(path), device)
 
 
-def _op_events(data) -> dict:
+def _op_events(data, device: int | None = None) -> dict:
   gpu_ops, stream_events, cpu_ops = [], [], []
   for plane in data.planes:
-    if plane.name.startswith("/device:GPU"):
+    if plane.name.startswith("/device:GPU") and (
+        device is None or plane.name == f"/device:GPU:{device}"):
       for line in plane.lines:
         if line.name == "XLA Ops":
           gpu_ops.extend(_op_row(event) for event in line.events)

@@ -52,6 +52,7 @@ CATEGORIES = (
     ("lm_head_ce", "lm_head and cross-entropy"),
     ("embedding", "embedding"),
     ("optimizer", "optimizer update"),
+    ("communication", "collectives (several GPUs)"),
     ("copies", "copies/transposes/casts"),
     ("other", "other"),
     ("idle", "idle"),
@@ -66,13 +67,23 @@ DATA_MOVEMENT = frozenset({
     "copy", "copy-start", "copy-done", "transpose", "reshape", "broadcast",
     "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad",
     "reverse", "convert", "iota"}) | TRIVIAL
+# Collectives (and the async pairs XLA splits them into): "communication",
+# wherever they came from.
+COLLECTIVES = frozenset({
+    "all-gather", "all-gather-start", "all-gather-done", "reduce-scatter",
+    "all-reduce", "all-reduce-start", "all-reduce-done", "all-to-all",
+    "ragged-all-to-all", "collective-permute", "collective-permute-start",
+    "collective-permute-done"})
 # Whose scope names a fusion: the first of these kinds it contains.
 _ANCHORS = ("custom-call", "dot", "convolution", "sort", "scatter", "gather",
             "reduce-window", "reduce")
 
 # Names of ops, for when nothing else is known (XLA's fusion names say what
 # they hold: "loop_transpose_fusion", "copy_bitcast_fusion.3", "gemm_fusion").
-_NAME_KINDS = (("dispatch", ("sort", "gather", "scatter")),
+_NAME_KINDS = (("communication", ("nccl", "all-gather", "all_gather",
+                                   "reduce-scatter", "reduce_scatter",
+                                   "all-to-all", "all-reduce")),
+               ("dispatch", ("sort", "gather", "scatter")),
                ("copies", ("copy", "transpose", "convert")))
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -189,6 +200,8 @@ def kind_category(opcodes, name: str = "") -> str:
 def categorize(op: dict) -> str:
   """The category of one op row ({"name", "scope", "opcodes"})."""
   opcodes = op.get("opcodes") or []
+  if set(opcodes) & COLLECTIVES:
+    return "communication"
   if opcodes and set(opcodes) <= DATA_MOVEMENT:
     return "copies"
   return (scope_category(op.get("scope") or "")
@@ -207,14 +220,16 @@ def find_files(trace_dir: str) -> tuple[str, str | None]:
 
 
 def summarize_trace(xplane: str, steps: int, hlo_text: str | None = None, *,
-                    label: str = "", max_ops: int = 2000) -> dict:
+                    label: str = "", max_ops: int = 2000,
+                    device: int | None = None) -> dict:
   """The per-op summary (FORMAT) of a trace of `steps` train steps.
 
   Op rows hold ms and count per step, the scope, opcodes and category; the
   `max_ops` slowest ops are kept and the rest summed into one row per
-  category (so the JSON stays small and the totals exact)."""
+  category (so the JSON stays small and the totals exact). `device`: one
+  GPU's ops of a trace of several."""
   hlo = parse_hlo(hlo_text) if hlo_text else {}
-  events = profile_lib.op_events(xplane)
+  events = profile_lib.op_events(xplane, device)
   rows: dict[str, dict] = {}
   for e in events["ops"]:
     row = rows.get(e["name"])
@@ -251,7 +266,7 @@ def summarize_trace(xplane: str, steps: int, hlo_text: str | None = None, *,
 
 
 def capture(step, state, batches, *, steps: int, trace_dir: str,
-            hlo_text: str, label: str = ""):
+            hlo_text: str, label: str = "", device: int | None = None):
   """Trace `steps` calls of a warm, compiled `step(state, batch) -> (state,
   out)` into `trace_dir` (with the step's HLO text and a profile_meta.json,
   so `load(trace_dir)` can rebuild the summary). Returns (the last state,
@@ -262,14 +277,15 @@ def capture(step, state, batches, *, steps: int, trace_dir: str,
     f.write(hlo_text)
   with open(os.path.join(trace_dir, "profile_meta.json"), "w",
             encoding="utf-8") as f:
-    json.dump({"label": label, "steps": steps}, f)
+    json.dump({"label": label, "steps": steps, "device": device}, f)
   jax.block_until_ready(state)
   with jax.profiler.trace(trace_dir):
     for i in range(steps):
       state, _ = step(state, batches[i % len(batches)])
     jax.block_until_ready(state)
   xplane, _ = find_files(trace_dir)
-  return state, summarize_trace(xplane, steps, hlo_text, label=label)
+  return state, summarize_trace(xplane, steps, hlo_text, label=label,
+                                device=device)
 
 
 def category_ms(summary: dict) -> dict[str, float]:
@@ -300,7 +316,8 @@ def load(path: str, steps: int | None = None) -> dict:
         hlo_text = f.read()
     summary = summarize_trace(xplane, steps or meta.get("steps", 1), hlo_text,
                               label=meta.get("label", os.path.basename(
-                                  os.path.normpath(path))))
+                                  os.path.normpath(path))),
+                              device=meta.get("device"))
     summary.update({k: v for k, v in meta.items() if k not in summary})
     return summary
   with open(path, encoding="utf-8") as f:
@@ -345,6 +362,18 @@ def markdown(summaries: list[dict], top_other: int = 10) -> str:
       lines.append(f"| {op['name']} | {op['ms']:.3f} | {op['count']:g} | "
                    f"{op['scope'][:90] or op['kind']} |")
   return "\n".join(lines)
+
+
+def write_markdown(summaries: list[dict], stem: str) -> str:
+  """The table of `summaries` written to <stem>.profile.md and printed;
+  returns the path."""
+  table = markdown(summaries)
+  path = f"{stem}.profile.md"
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(table + "\n")
+  print(f"\nDevice time per step by category ({path}):\n\n{table}")
+  return path
 
 
 def main(argv=None) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 from benchmarks import exchange
 from benchmarks import timing
+from benchmarks import train_profile_table
 from experiments import cli
 from experiments import run_flags
 from m2jax import config as config_lib
@@ -71,6 +72,11 @@ flags.DEFINE_string("out", "benchmarks/results/scaling/run.json",
                     "JSON output.")
 flags.DEFINE_integer("time_budget_s", 10**6, "Start no new run after this "
                      "many seconds (the JSON keeps what finished).")
+flags.DEFINE_string("profile_dir", None, "Trace --profile_steps more steps "
+                    "of every run here (GPU 0's ops) and write the per-op "
+                    "JSON and the table by category, collectives apart, "
+                    "beside --out (benchmarks/train_profile_table.py).")
+flags.DEFINE_integer("profile_steps", 3, "Steps traced (after timing).")
 cli.integer_lists("gpus")
 # How every run steps (Settings): --all_to_all, --exchange_chunks,
 # --gmm_backend, ...; the capacity factor's worst case (0) is n x the
@@ -198,6 +204,14 @@ def _measure(run, prep, mcfg, tcfg):
   step_s, state, m = timing.time_steps(
       prep["train"], state, batches[::-1], reps=FLAGS.steps,
       warmup=max(FLAGS.warmup - 1, 0))
+  profile = None
+  if FLAGS.profile_dir:
+    label = run["name"].replace(" ", "_").replace(",", "_")
+    state, profile = train_profile_table.capture(
+        prep["train"], state, batches, steps=FLAGS.profile_steps,
+        trace_dir=os.path.join(FLAGS.profile_dir, label),
+        hlo_text=prep["train"].as_text(), label=label, device=0)
+    profile["step_ms"] = step_s * 1e3
   tps = rows * FLAGS.seq_len / step_s
   flops = params_lib.flops_per_token(mcfg, FLAGS.seq_len,
                                      mtp_depth=tcfg.mtp_depth)
@@ -208,6 +222,11 @@ def _measure(run, prep, mcfg, tcfg):
              mfu=None if mfu is None else round(mfu, 4),
              loss_first=round(loss_first, 4), loss_last=float(m["loss"]),
              dropped_last_step=float(m["moe/dropped"]))
+  if profile is not None:
+    path = f"{os.path.splitext(FLAGS.out)[0]}.{profile['label']}.ops.json"
+    checkpoint.write_json(path, profile)
+    out["profile_ops_json"] = path
+    out["profile"] = profile
   del state, m
   return out
 
@@ -255,6 +274,10 @@ def main(argv):
                              "--gpus (expert=n); leave --mesh out")
   _check_compare()
   _, settings = run_flags.from_flags()
+  if FLAGS.profile_dir:
+    # A persistent cache's key leaves out the ops' names (their scopes): a
+    # step cached before a scope changed would be profiled under the old.
+    jax.config.update("jax_enable_compilation_cache", False)
   counts = [int(g) for g in FLAGS.gpus]
   # from_flags saw no mesh: the decomposer for the expert=n runs.
   if run_flags.extend_xla_flags(f"expert={max(counts)}", settings.all_to_all,
@@ -281,7 +304,7 @@ def main(argv):
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)
-  base = None
+  base, profiles = None, []
   for r in runs:  # one at a time: compile, measure, write
     rec = dict(r)
     if time.time() - t0 > FLAGS.time_budget_s:
@@ -301,6 +324,9 @@ def main(argv):
     if base and "tokens_per_s_per_gpu" in rec:
       rec["weak_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"]
                                              / base, 3)
+    profile = rec.pop("profile", None)
+    if profile is not None:
+      profiles.append(profile)
     result["runs"].append(rec)
     _write(result)
     print(json.dumps(rec), flush=True)
@@ -324,6 +350,9 @@ def main(argv):
           4 * layers * result["all_to_all"]["ms"], 1)
     except Exception as e:  # pylint: disable=broad-except
       result["all_to_all"] = f"{type(e).__name__}: {str(e)[:400]}"
+  if profiles:  # GPU 0's ops
+    result["profile_table"] = train_profile_table.write_markdown(
+        profiles, os.path.splitext(FLAGS.out)[0])
   result["total_s"] = round(time.time() - t0, 1)
   _write(result)
 

@@ -202,12 +202,8 @@ def main(argv):
             f"MFU {r['mfu'] or 0:.1%}  {r['peak_memory_gib']:.1f} GiB"
             f"{ratio}")
   if profiles:
-    table = train_profile_table.markdown(profiles)
-    path = f"{_output_stem()}.profile.md"
-    with open(path, "w", encoding="utf-8") as f:
-      f.write(table + "\n")
-    result["profile_table"] = path
-    print(f"\nDevice time per step by category ({path}):\n\n{table}")
+    result["profile_table"] = train_profile_table.write_markdown(
+        profiles, _output_stem())
   if FLAGS.output:
     checkpoint.write_json(FLAGS.output, result)
 

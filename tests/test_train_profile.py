@@ -49,6 +49,12 @@ _PREFIX = "jit(train_step)/transpose(jvp(Transformer))/"
     (_PREFIX + "layers_3/attn/transpose", ["fusion", "transpose", "copy"],
      "copies"),
     (_PREFIX + "layers_3/add", ["add"], "other"),
+    # Collectives (the all-gather exchange's, sequence parallelism's) are
+    # communication wherever they came from.
+    (_PREFIX + "layers_3/moe/dispatch/all_gather", ["all-gather-start"],
+     "communication"),
+    (_PREFIX + "layers_3/moe/combine/reduce_scatter",
+     ["async-start", "reduce-scatter"], "communication"),
     # No scope (an op XLA made up): its kind decides.
     ("sort", ["sort"], "dispatch"),
     ("", ["add", "multiply"], "other"),
@@ -62,6 +68,40 @@ def test_categorize_by_name_without_hlo():
   assert tpt.categorize({"name": "loop_transpose_fusion.3"}) == "copies"
   assert tpt.categorize({"name": "sort.1"}) == "dispatch"
   assert tpt.categorize({"name": "cutlass_gemm"}) == "other"
+  assert tpt.categorize(
+      {"name": "ncclDevKernel_AllGather_RING_LL"}) == "communication"
+
+
+class _Event:
+  def __init__(self, name, start_ns, duration_ns):
+    self.name, self.start_ns, self.duration_ns = name, start_ns, duration_ns
+    self.stats = {}
+
+
+class _Line:
+  def __init__(self, name, events):
+    self.name, self.events = name, events
+
+
+class _Plane:
+  def __init__(self, name, lines):
+    self.name, self.lines = name, lines
+
+
+def test_one_gpu_of_a_multi_gpu_trace():
+  # An SPMD program on two GPUs holds each op once per GPU: `device` keeps
+  # one GPU's ops (and its busy time and span).
+  planes = [_Plane(f"/device:GPU:{d}", [
+      _Line("XLA Ops", [_Event("fusion.1", 10 + d, 5),
+                        _Event("all-gather-start.2", 20, 3)]),
+      _Line("Stream #1", [_Event("k", 10 + d, 5), _Event("k", 20, 3)])])
+            for d in (0, 1)]
+  data = type("Data", (), {"planes": planes})()
+  both = profile_lib._op_events(data)  # pylint: disable=protected-access
+  one = profile_lib._op_events(data, 1)  # pylint: disable=protected-access
+  assert len(both["ops"]) == 4 and len(one["ops"]) == 2
+  assert [o["start_ns"] for o in one["ops"]] == [11, 20]
+  assert one["busy_ns"] == 8 and one["span_ns"] == 12
 
 
 _HLO = """HloModule jit_f, is_scheduled=true
