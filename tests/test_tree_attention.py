@@ -192,7 +192,7 @@ def _rows_only(fn, start, stop):
   return out
 
 
-@pytest.mark.parametrize("start,stop", [(21, 50), (0, 75)])
+@pytest.mark.parametrize("start,stop", [(21, 50)])
 def test_query_rows_compute_only_those_rows(start, stop):
   """query_rows (a context-parallel shard's queries against the whole row):
   those rows and all three gradients as the reference's with the other
@@ -295,31 +295,6 @@ def test_mosaic_kernels_match_reference():
   nothing_visible = ~np.asarray(ta.tree_mask(se, seg)).any(-1)
   assert nothing_visible[1, 128:].all() and nothing_visible[0, 266:].any()
   assert np.all(np.asarray(got[0], np.float32)[nothing_visible] == 0.0)
-
-
-def test_mosaic_query_rows_match_reference():
-  """The Mosaic kernels with query_rows, as a context-parallel shard runs
-  them: packed documents on a 256-token row, the second 128-row program's
-  queries only (the first program's tile lists empty in all three kernels),
-  bf16 in the GPU interpreter, against the float32 reference."""
-  T, Hm = 256, 128
-  seg = jnp.asarray(np.repeat([1, 2, 3], [100, 90, 66])[None].astype(np.int32))
-  se = ta.chain_subtree_end(seg)
-  q, k, v, run = _bf16_case(1, 1, T, Hm)
-
-  got = run(lambda q, k, v: ta.tree_attention(
-      q, k, v, se, seg, config=MOSAIC, query_rows=(128, 256)), q, k, v)
-  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  want = jax.jit(functools.partial(run, _rows_only(
-      lambda q, k, v: ta.tree_attention_reference(q, k, v, se, seg),
-      128, 256)))(*f32)
-  rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b)
-                           / jnp.linalg.norm(b))
-  assert rel(got[0], want[0]) < 1e-2
-  for g, r in zip(got[1], want[1]):
-    assert rel(g, r) < 2e-2, rel(g, r)
-  assert not np.asarray(got[0], np.float32)[:, :128].any()
-  assert not np.asarray(got[1][0], np.float32)[:, :128].any()  # dq
 
 
 @pytest.mark.parametrize("tiles", [dict(), dict(mosaic_block_k_dq=128),
