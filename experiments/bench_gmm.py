@@ -57,7 +57,6 @@ flags.register_validator("dims", lambda v: len(v) == 2,
 _MAX_ERR = 1e-2
 
 
-
 def _shapes():
   """(K, N) of each projection, from --dims."""
   d, f = (int(x) for x in _DIMS.value)

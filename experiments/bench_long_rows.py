@@ -105,7 +105,6 @@ def bench(settings, seq_len: int, mesh=None) -> dict:
     batches = [jax.device_put(b) for b in host]
   else:
     sharding.check_mesh(mcfg, mesh, B, seq_len=T)
-    result["mesh"] = sharding.format_mesh(mesh)
     batches = [sharding.shard_batch(b, mesh) for b in host]
     make_state = jax.jit(make_state, out_shardings=state_lib.state_shardings(
         mcfg, tcfg, mesh))

@@ -118,6 +118,13 @@ def _exchanges(settings):
   return list(dict.fromkeys([settings.all_to_all] + extra))
 
 
+def _nonnegative(text: str) -> bool:
+  try:
+    return float(text) >= 0
+  except ValueError:
+    return False
+
+
 def _check_compare():
   """A bad --compare item fails before any work, in one line."""
   for item in FLAGS.compare:
@@ -129,19 +136,14 @@ def _check_compare():
       raise settings_lib.SettingsError(
           f"--compare: {item!r}: all_to_all must be one of "
           f"{settings_lib.ALL_TO_ALLS}")
-    if kind == "capacity":
-      try:
-        if float(value) < 0:
-          raise ValueError
-      except ValueError:
-        raise settings_lib.SettingsError(
-            f"--compare: {item!r}: capacity=F needs a number >= 0") from None
+    if kind == "capacity" and not _nonnegative(value):
+      raise settings_lib.SettingsError(
+          f"--compare: {item!r}: capacity=F needs a number >= 0")
     if kind not in ("chunks", "all_to_all", "capacity") and (
         value or kind not in ("data", "fsdp", "tensor")):
       raise settings_lib.SettingsError(
           f"--compare: {item!r}: expected chunks=N, all_to_all=IMPL, "
-          f"capacity=F or a "
-          f"mesh axis (data, fsdp, tensor)")
+          "capacity=F or a mesh axis (data, fsdp, tensor)")
 
 
 def _batch(rows, seq_len, vocab, seed):

@@ -99,8 +99,9 @@ class Settings:
     sums: m2jax.model.expert_parallel.gather_exchange) or "auto"
     ("allgather", "dense" on CPU).
   capacity_factor: expert-parallel receive buffer (for "allgather": the
-    rows of its local experts) in multiples of a device's average rows (T_local * top_k); 0 sizes it for the worst case
-    so no token is ever dropped; rows past it are dropped and counted
+    rows of its local experts) in multiples of a device's average rows
+    (T_local * top_k); 0 sizes it for the worst case so no token is ever
+    dropped; rows past it are dropped and counted
     (RoutingStats.dropped).
   exchange_chunks: split each device's tokens into this many independent
     exchanges (when they divide), so one chunk's all-to-all can overlap

@@ -113,5 +113,5 @@ def attention(attend: ShardAttention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
   # reduce-scatter) autodiff derives without the types.
   return jax.shard_map(
       body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, t_spec, t_spec),
-      out_specs=q_spec, check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT,
-                        positions_BxT)
+      out_specs=q_spec, check_vma=False)(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+                                         segment_ids_BxT, positions_BxT)

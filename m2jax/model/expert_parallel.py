@@ -333,14 +333,15 @@ def gather_exchange(x_TxD, experts_TxK, weights_TxK, experts_fn, *,
   return y.astype(jnp.float32), (sizes.sum() - total).astype(jnp.int32)
 
 
-def _padded(rows_CxD):
-  """rows with one zero row appended: row C is "no row"."""
-  return jnp.concatenate([rows_CxD, jnp.zeros_like(rows_CxD[:1])])
+def _picked(rows_CxD, row_NxK):
+  """[N, K, D] float32: rows[row[t, k]], with row C "no row" (zeros)."""
+  padded = jnp.concatenate([rows_CxD, jnp.zeros_like(rows_CxD[:1])])
+  return jnp.take(padded, row_NxK, axis=0).astype(jnp.float32)
 
 
 def _gathered_sum(rows_CxD, row_NxK, weights_NxK=None):
   """out[t] = sum_k w[t, k] * rows[row[t, k]] (rows[C] = 0), float32."""
-  picked = jnp.take(_padded(rows_CxD), row_NxK, axis=0).astype(jnp.float32)
+  picked = _picked(rows_CxD, row_NxK)
   if weights_NxK is not None:  # a product and a sum, which XLA fuses with
     picked = picked * weights_NxK[..., None]   # the gather (no [N, K, D])
   return picked.sum(axis=1)
@@ -385,8 +386,7 @@ def _sum_rows_bwd(residuals, g_NxD):
   y_CxD, weights_NxK, row_NxK, pair_C = residuals
   N, K = row_NxK.shape
   C = y_CxD.shape[0]
-  picked = jnp.take(_padded(y_CxD), row_NxK, axis=0).astype(jnp.float32)
-  d_weights = jnp.sum(picked * g_NxD[:, None, :], axis=-1)
+  d_weights = jnp.sum(_picked(y_CxD, row_NxK) * g_NxD[:, None, :], axis=-1)
   # Row i holds pair pair_C[i] if that pair points back at it.
   mine = row_NxK.reshape(N * K)[pair_C] == jnp.arange(C, dtype=pair_C.dtype)
   scale = jnp.where(mine, weights_NxK.reshape(N * K)[pair_C], 0.0)

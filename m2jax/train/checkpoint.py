@@ -20,8 +20,7 @@ has written it. Where the copy would not fit beside the run's peak device
 memory so far (or its allocation fails), this save and the later ones take
 the host copy instead, said once; so do saves with several processes,
 where orbax's save runs collectives that must not leave the main thread.
-A pending
-save is waited for, and its failure raised, before the next save, before
+A pending save is waited for, and its failure raised, before the next save, before
 any read (steps, restore, meta) and in `close`, which every trainer calls
 on every way out. A process killed while a save is in flight leaves only
 orbax's temporary directory, removed at the next start: the previous step
@@ -217,7 +216,6 @@ class Checkpointer:
     data_state, meta = copy.deepcopy(data_state), copy.deepcopy(meta)
     snapshot = self._device_snapshot(state) if self.device_copy else None
     if snapshot is not None:
-      self._pending = step
       # Not a daemon: orbax's writer threads inherit it, and a process
       # leaving without close() must still finish (or not start) them.
       self._thread = threading.Thread(
@@ -226,7 +224,7 @@ class Checkpointer:
       self._thread.start()
     else:
       self._save(step, state, data_state, meta)
-      self._pending = step
+    self._pending = step
     if not self.asynchronous:
       self.wait()
 
