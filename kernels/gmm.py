@@ -213,8 +213,11 @@ def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto",
 
   The "mosaic" backend computes both products in one kernel (lhs tiles read
   once, the gate applied in the epilogue; `tiles.tile_n` counts the columns
-  of both weights); "triton" runs the two products unfused. The backward
-  recomputes the two products and reuses gmm/tgmm.
+  of both weights); "triton" runs the two products unfused. Under
+  differentiation the forward kernel also writes both products (in lhs's
+  dtype) for the backward, which recomputes no matmul: the two products'
+  gradients go side by side through one lhs-gradient matmul over 2F and one
+  weight-gradient matmul for both weights.
   """
   _validate(lhs, w1, group_sizes)
   if w1.shape != w3.shape:
@@ -234,37 +237,50 @@ def _swiglu_epilogue(a, b):
   return a * jax.nn.sigmoid(a) * b
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _swiglu_kernel(lhs, w1, w3, group_sizes, kern):
+def _swiglu_and_products(a, b):
+  return _swiglu_epilogue(a, b), a, b
+
+
+def _swiglu_products(lhs, w1, w3, group_sizes, kern):
+  """(silu(a) * b, a, b) in lhs's dtype, a = lhs @ w1 and b = lhs @ w3."""
   if kern.backend == "triton":  # unfused: the portable path checks the VJP
     f32 = jnp.float32
     a = _fwd_kernel(kern, lhs, w1, group_sizes, f32)
     b = _fwd_kernel(kern, lhs, w3, group_sizes, f32)
-    return _swiglu_epilogue(a, b).astype(lhs.dtype)
+    return tuple(v.astype(lhs.dtype) for v in _swiglu_and_products(a, b))
+  return _mosaic_gmm(lhs, w1, group_sizes, rhs2=w3,
+                     epilogue_fn=_swiglu_and_products, config=kern.tiles,
+                     interpret=kern.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _swiglu_kernel(lhs, w1, w3, group_sizes, kern):
+  if kern.backend == "triton":
+    return _swiglu_products(lhs, w1, w3, group_sizes, kern)[0]
   return _mosaic_gmm(lhs, w1, group_sizes, rhs2=w3,
                      epilogue_fn=_swiglu_epilogue, config=kern.tiles,
                      interpret=kern.interpret)
 
 
 def _swiglu_fwd(lhs, w1, w3, group_sizes, kern):
-  return _swiglu_kernel(lhs, w1, w3, group_sizes, kern), (lhs, w1, w3,
-                                                          group_sizes)
+  h, a, b = _swiglu_products(lhs, w1, w3, group_sizes, kern)
+  return h, (lhs, w1, w3, group_sizes, a, b)
 
 
 def _swiglu_bwd(kern, res, grad):
-  lhs, w1, w3, gs = res
+  lhs, w1, w3, gs, a, b = res
   f32 = jnp.float32
-  a = _fwd_kernel(kern, lhs, w1, gs, f32)
-  b = _fwd_kernel(kern, lhs, w3, gs, f32)
-  grad = grad.astype(f32)
+  a, b, grad = a.astype(f32), b.astype(f32), grad.astype(f32)
   sig = jax.nn.sigmoid(a)
-  da = (grad * b * sig * (1 + a * (1 - sig))).astype(lhs.dtype)
-  db = (grad * a * sig).astype(lhs.dtype)
-  dlhs = (_fwd_kernel(kern, da, w1, gs, f32, transpose_rhs=True)
-          + _fwd_kernel(kern, db, w3, gs, f32, transpose_rhs=True))
-  dw1 = _tgmm_kernel(kern, lhs, da, gs, w1.dtype)
-  dw3 = _tgmm_kernel(kern, lhs, db, gs, w3.dtype)
-  return (dlhs.astype(lhs.dtype), dw1, dw3,
+  da = grad * b * sig * (1 + a * (1 - sig))
+  db = grad * a * sig
+  # [da | db] @ [w1 | w3]^T is dlhs, and lhs^T @ [da | db] is [dw1 | dw3].
+  dab = jnp.concatenate([da, db], axis=-1).astype(lhs.dtype)
+  dlhs = _fwd_kernel(kern, dab, jnp.concatenate([w1, w3], axis=-1), gs,
+                     lhs.dtype, transpose_rhs=True)
+  dw13 = _tgmm_kernel(kern, lhs, dab, gs, w1.dtype)
+  f = w1.shape[-1]
+  return (dlhs, dw13[..., :f], dw13[..., f:],
           np.zeros(gs.shape, dtype=jax.dtypes.float0))
 
 

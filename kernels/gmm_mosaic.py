@@ -208,32 +208,38 @@ def _store_rows(src_at, dst, row0, lo, count):
       size //= 2
 
 
-def _epilogue(val, out_smem, wg, dst_cols, row0, lo, count):
-  """Writes rows [lo, lo+count) of a warpgroup's [64, n] result to gmem."""
-  val = val.astype(out_smem.dtype)
-  n_out, slots, epi_n = val.shape[1], out_smem.shape[1], out_smem.shape[-1]
-  chunks = n_out // epi_n
+def _epilogue(parts, out_smem, wg, row0, lo, count):
+  """Writes rows [lo, lo+count) of a warpgroup's [64, n] results to gmem.
 
-  def store(c, slot):
-    _store_rows(lambda r: out_smem.at[wg, slot, r], dst_cols(c), row0, lo,
-                count)
+  `parts` lists (value, dst_cols) pairs, one per output: the kernel's output
+  columns go out in 128-byte chunks, `dst_cols(c)` being chunk c's columns.
+  """
+  epi_n, slots = out_smem.shape[-1], out_smem.shape[1]
+  chunks = []
+  for val, dst_cols in parts:
+    val = val.astype(out_smem.dtype)
+    chunks += [(val[:, c * epi_n:(c + 1) * epi_n], dst_cols(c))
+               for c in range(val.shape[1] // epi_n)]
+
+  def store(dst, slot):
+    _store_rows(lambda r: out_smem.at[wg, slot, r], dst, row0, lo, count)
 
   @pl.when(count > 0)
   def _():
-    if slots >= chunks:  # the whole tile at once: one fence, one wait
+    if slots >= len(chunks):  # the whole tile at once: one fence, one wait
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      for c in range(chunks):
-        out_smem[wg, c] = val[:, c * epi_n:(c + 1) * epi_n]
+      for slot, (val, _) in enumerate(chunks):
+        out_smem[wg, slot] = val
       plgpu.commit_smem()
-      for c in range(chunks):
-        store(c, c)
+      for slot, (_, dst) in enumerate(chunks):
+        store(dst, slot)
       plgpu.commit_smem_to_gmem_group()
       return
-    for c in range(chunks):
+    for c, (val, dst) in enumerate(chunks):
       plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      out_smem[wg, c % slots] = val[:, c * epi_n:(c + 1) * epi_n]
+      out_smem[wg, c % slots] = val
       plgpu.commit_smem()
-      store(c, c % slots)
+      store(dst, c % slots)
       plgpu.commit_smem_to_gmem_group()
 
 
@@ -296,6 +302,8 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   With `rhs2` (same shape as rhs) and `epilogue_fn`, each work item computes
   `epilogue_fn(lhs@rhs[:, :, cols], lhs@rhs2[:, :, cols])`: the fused
   SwiGLU path (tile_n/2 columns from each weight, output tile_n/2 wide).
+  An `epilogue_fn` that returns a tuple gives one [M, N] output per element
+  (e.g. the SwiGLU and both products, kept for the backward pass).
   """
   m, k = lhs.shape
   if transpose_rhs:
@@ -323,12 +331,15 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   if m_pad:
     lhs = jnp.pad(lhs, ((0, m_pad), (0, 0)))
   schedule = row_tile_schedule(group_sizes, m + m_pad, cfg.tile_m)
+  n_outs = 1
+  if fused:  # how many outputs the epilogue gives, from its abstract value
+    acc = jax.ShapeDtypeStruct((_HALF, wn), jnp.float32)
+    outs = jax.eval_shape(epilogue_fn, acc, acc)
+    n_outs = len(outs) if isinstance(outs, tuple) else 1
 
   def body(tg_ref, tr_ref, tlo_ref, thi_ref, nt_ref, lhs_ref, rhs_ref, *rest):
-    if fused:
-      rhs2_ref, out_ref = rest
-    else:
-      (out_ref,) = rest
+    rhs2_ref = rest[0] if fused else None
+    out_refs = rest[1:] if fused else rest
     num_items = nt_ref[0] * n_tiles_n
     sm, my_count = _my_items(num_items, num_sms)
     b_shape = (stages, wn, tk) if transpose_rhs else (stages, tk, wn)
@@ -337,7 +348,7 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
         a_smem=_swizzled((stages, cfg.tile_m, tk), lhs.dtype),
         b_smem=_swizzled(b_shape, rhs.dtype),
         out_smem=_out_smem(out_dtype,
-                           _out_slots(wn, out_dtype, ring)),
+                           _out_slots(n_outs * wn, out_dtype, ring)),
         produced=plgpu.Barrier(num_arrivals=3 if fused else 2,
                                num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS,
@@ -405,15 +416,16 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
           return acc_ref[...]
 
         if fused:
-          val = epilogue_fn(*pl.run_scoped(
+          vals = epilogue_fn(*pl.run_scoped(
               acc_scope, plgpu.ACC((_HALF, wn)), plgpu.ACC((_HALF, wn))))
         else:
-          val = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)))
+          vals = pl.run_scoped(acc_scope, plgpu.ACC((_HALF, wn)))
+        vals = vals if isinstance(vals, tuple) else (vals,)
 
-        def dst_cols(c):
-          return out_ref.at[:, pl.ds(nt * wn + c * epi_n, epi_n)]
-        _epilogue(val, out_smem, wg, dst_cols, row0 + wg * _HALF, my_lo,
-                  my_rows)
+        def dst_cols(out_ref):
+          return lambda c: out_ref.at[:, pl.ds(nt * wn + c * epi_n, epi_n)]
+        _epilogue([(v, dst_cols(o)) for v, o in zip(vals, out_refs)],
+                  out_smem, wg, row0 + wg * _HALF, my_lo, my_rows)
         return nsteps
 
       _persistent(wg, my_count, stages, consumed, produce, consume)
@@ -423,11 +435,11 @@ def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, out_dtype=None,
   operands = [*schedule, lhs, rhs]
   if fused:
     operands.append(rhs2)
-  call = _kernel_call(body,
-                      jax.ShapeDtypeStruct((m + m_pad, n), out_dtype),
-                      interpret=interpret, cfg=cfg)
-  out = call(*operands)
-  return out[:m] if m_pad else out
+  out_type = jax.ShapeDtypeStruct((m + m_pad, n), out_dtype)
+  call = _kernel_call(body, (out_type,) * n_outs, interpret=interpret,
+                      cfg=cfg)
+  outs = tuple(o[:m] if m_pad else o for o in call(*operands))
+  return outs if n_outs > 1 else outs[0]
 
 
 # ---------------------------------------------------------------------------
@@ -522,7 +534,7 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
 
         def dst_cols(c):
           return out_ref.at[grp, :, pl.ds(nt * tn + c * epi_n, epi_n)]
-        _epilogue(val, out_smem, wg, dst_cols, kt * tm + wg * _HALF,
+        _epilogue([(val, dst_cols)], out_smem, wg, kt * tm + wg * _HALF,
                   0, jnp.int32(_HALF))
         return nsteps
 

@@ -151,6 +151,12 @@ def test_swiglu_fused_kernel_and_vjp():
   ref = h1 / (1 + np.exp(-h1)) * h3
   fused = gmm_lib.gmm_swiglu(x, a, b, gs, backend="mosaic", interpret=True)
   assert _rel(fused, ref) < 1e-2
+  # What the forward under differentiation writes: the SwiGLU and both
+  # products, three outputs of one kernel, kept for the backward.
+  kern = gmm_lib._Kernels("mosaic", True, None)
+  outs = jax.jit(gmm_lib._swiglu_products, static_argnums=4)(x, a, b, gs, kern)
+  for got, want in zip(outs, (ref, h1, h3)):
+    assert _rel(got, want) < 1e-2
   # Gradients through the custom VJP (triton kernels, interpreted) against
   # autodiff of the reference backend.
   f = lambda be, it: (lambda *p: jnp.sum(gmm_lib.gmm_swiglu(

@@ -201,6 +201,23 @@ def test_chunked_losses_equal_whole_rows(dtype, tol):
     _assert_scaled(grads, want_grads, tol)
 
 
+def test_one_pass_stats_equal_logsumexp_and_argmax():
+  """The fused loss's one-pass reduction (running max, rescaled sum of
+  exps, first index of the max) equals jax.nn.logsumexp and jnp.argmax,
+  ties (the first index wins, as in jnp.argmax) and logits far apart
+  included."""
+  logits = jnp.asarray(_R.normal(size=(3, 5, 300)) * 30, jnp.float32)
+  logits = logits.at[0, :, 7].set(500.0).at[0, :, 200].set(500.0)
+  logits = logits.at[1, 2].set(-1e30).at[1, 2, 299].set(-1e30 + 1e24)
+  tgt = jnp.asarray(_R.integers(0, 300, (3, 5)), jnp.int32)
+  lse, picked, pred = jax.jit(losses._one_pass_stats)(logits, tgt)
+  np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, -1), rtol=1e-6)
+  np.testing.assert_array_equal(pred, jnp.argmax(logits, -1))
+  np.testing.assert_array_equal(
+      picked, jnp.take_along_axis(logits, tgt[..., None], -1)[..., 0])
+  assert np.all(np.asarray(pred[0]) == 7)
+
+
 TINY = config_lib.TINY.replace(attention_pattern=("sliding", "full"),
                                sliding_window=64)
 

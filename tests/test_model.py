@@ -513,15 +513,20 @@ def test_combine_gradient_is_a_gather_not_a_scatter():
                         jnp.asarray(rng.random((T, K)), jnp.float32))
   y_sorted, _, sort = moe.dispatch(x, routing, E)
   w = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
-  ours = lambda y: jnp.sum(moe.combine(y, routing, sort) * w)
-  take = lambda y: jnp.sum(jnp.einsum(
+  ours = lambda y, p: jnp.sum(moe.combine(y, routing._replace(
+      weights_TxK=p), sort) * w)
+  take = lambda y, p: jnp.sum(jnp.einsum(
       "tkd,tk->td", jnp.take(y, sort.inverse, axis=0).reshape(T, K, D),
-      routing.weights_TxK) * w)
-  np.testing.assert_allclose(ours(y_sorted), take(y_sorted), rtol=1e-6)
-  np.testing.assert_allclose(jax.grad(ours)(y_sorted),
-                             jax.grad(take)(y_sorted), rtol=1e-6, atol=1e-6)
+      p) * w)
+  args = (y_sorted, routing.weights_TxK)
+  np.testing.assert_allclose(ours(*args), take(*args), rtol=1e-6)
+  # Both gradients: the rows' and the routing weights' (the router learns
+  # through the latter).
+  for got, want in zip(jax.grad(ours, (0, 1))(*args),
+                       jax.grad(take, (0, 1))(*args)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   primitives = lambda f: _primitives(
-      jax.make_jaxpr(jax.grad(f))(y_sorted).jaxpr)
+      jax.make_jaxpr(jax.grad(f, (0, 1)))(*args).jaxpr)
   assert {"scatter-add", "scatter_add", "scatter"} & primitives(take)
   assert not {"scatter-add", "scatter_add", "scatter"} & primitives(ours)
 

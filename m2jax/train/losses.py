@@ -99,6 +99,36 @@ def _chunk_stats(logits_BxCxV, tgt_BxC):
   return lse, picked, pred.astype(jnp.int32)
 
 
+def _one_pass_stats(logits_BxCxV, tgt_BxC):
+  """_chunk_stats in one pass over the logits (not differentiable).
+
+  One variadic reduction carries the running maximum, the sum of exp(logit
+  - maximum), rescaled whenever the maximum grows, and the maximum's first
+  index: the log-sum-exp and the argmax without the three passes over the
+  float32 [B, chunk, V] logits that jax.nn.logsumexp and jnp.argmax make
+  (max, sum of exps, argmax). The fused loss needs no derivative of them.
+  """
+  axis = logits_BxCxV.ndim - 1
+  index = jax.lax.broadcasted_iota(jnp.int32, logits_BxCxV.shape, axis)
+
+  def merge(a, b):
+    (m1, s1, i1), (m2, s2, i2) = a, b
+    m = jnp.maximum(m1, m2)
+    s = s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+    i = jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))
+    return m, s, i
+
+  # A finite floor, not -inf: two empty partials then merge to (floor, 0)
+  # instead of exp(-inf - -inf) = NaN.
+  floor = jnp.finfo(jnp.float32).min
+  m, s, pred = jax.lax.reduce(
+      (logits_BxCxV, jnp.ones_like(logits_BxCxV), index),
+      (jnp.float32(floor), jnp.float32(0), jnp.int32(jnp.iinfo(jnp.int32).max)),
+      merge, (axis,))
+  picked = jnp.take_along_axis(logits_BxCxV, tgt_BxC[..., None], -1)[..., 0]
+  return m + jnp.log(s), picked, pred
+
+
 def chunked_cross_entropy(features_BxTxD, lm_head_DxV, targets_BxT, mask_BxT,
                           *, chunk: int = DEFAULT_LOSS_CHUNK):
   """cross_entropy of logits = features @ lm_head without [B, T, V].
@@ -143,7 +173,7 @@ def _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c: int,
   def body(dw_DxV, x):
     f_BxCxD, tgt_BxC, wce_BxC, wz_BxC = x
     logits = _chunk_logits(f_BxCxD, w)
-    lse, picked, pred = _chunk_stats(logits, tgt_BxC)
+    lse, picked, pred = _one_pass_stats(logits, tgt_BxC)
     if not grads:
       return dw_DxV, (lse, picked, pred)
     # d/dlogits of wce * (lse - picked) + wz * lse^2.
@@ -151,6 +181,10 @@ def _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c: int,
     onehot = jnp.arange(logits.shape[-1]) == tgt_BxC[..., None]
     dlogits = ((wce_BxC + 2 * wz_BxC * lse)[..., None] * p
                - jnp.where(onehot, wce_BxC[..., None], 0.0)).astype(cdt)
+    # Written once in the compute dtype and read by both matmuls: without
+    # the barrier XLA fuses the float32 softmax into d features' matmul as
+    # its prologue, a Triton GEMM at half cuBLAS's rate (H100 profile).
+    dlogits = jax.lax.optimization_barrier(dlogits)
     # Compute-dtype operands, float32 accumulation: the head's matmul.
     dx = jnp.einsum("bcv,dv->bcd", dlogits, w,
                     preferred_element_type=jnp.float32).astype(cdt)
