@@ -15,8 +15,9 @@ random tokens with the mesh expert=n (n = 1: the plain single-device path,
 no mesh), AdamW, MTP depth 1, exactly the jitted step of m2jax.train.step.
 Runs go one at a time (baseline, largest count, the rest): compile the
 sharded init and step, train warmup + timed steps (the median step,
-benchmarks.timing.time_steps; MFU from m2jax.params.mfu), append to the
-JSON.
+benchmarks.timing.time_steps: the steps back to back, as the training loops
+run them, and beside that each step waited for; MFU from m2jax.params.mfu),
+append to the JSON.
 Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
 
 Also measured, for the analysis: the exchange checked on the GPUs against
@@ -203,9 +204,14 @@ def _measure(run, prep, mcfg, tcfg):
   state = prep["init"](prep["key"])
   state, first = prep["train"](state, batches[0])  # the first warm-up step
   loss_first = float(first["loss"])
+  # Back to back, as the training loops run steps; then each step waited
+  # for (the figure before 2026-11-27, session h: it adds the host's
+  # dispatch gap, which grows with the devices a step launches on).
   step_s, state, m = timing.time_steps(
       prep["train"], state, batches[::-1], reps=FLAGS.steps,
-      warmup=max(FLAGS.warmup - 1, 0))
+      warmup=max(FLAGS.warmup - 1, 0), back_to_back=True)
+  waited_s, state, _ = timing.time_steps(
+      prep["train"], state, batches[::-1], reps=FLAGS.steps, warmup=0)
   profile = None
   if FLAGS.profile_dir:
     label = run["name"].replace(" ", "_").replace(",", "_")
@@ -219,6 +225,7 @@ def _measure(run, prep, mcfg, tcfg):
                                      mtp_depth=tcfg.mtp_depth)
   mfu = params_lib.mfu(tps, flops, peak_flops(), num_devices=run["n"])
   out = dict(step_ms=round(1e3 * step_s, 1),
+             step_ms_each_waited_for=round(1e3 * waited_s, 1),
              tokens_per_s=round(tps),
              tokens_per_s_per_gpu=round(tps / run["n"]),
              mfu=None if mfu is None else round(mfu, 4),
@@ -323,9 +330,12 @@ def main(argv):
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     if rec.get("n") == 1 and "tokens_per_s_per_gpu" in rec:
       base = rec["tokens_per_s_per_gpu"]
+      base_waited_ms = rec["step_ms_each_waited_for"]
     if base and "tokens_per_s_per_gpu" in rec:
       rec["weak_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"]
                                              / base, 3)
+      rec["weak_scaling_efficiency_each_waited_for"] = round(
+          base_waited_ms / rec["step_ms_each_waited_for"], 3)
     profile = rec.pop("profile", None)
     if profile is not None:
       profiles.append(profile)
@@ -361,7 +371,8 @@ def main(argv):
   print(f"\n{result['device']} x{result['device_count']}, {FLAGS.preset}, "
         f"{result['tokens_per_gpu_per_step']} tokens/GPU/step")
   print(f"{'run':>18} {'GPUs':>4} {'step ms':>8} {'tok/s/GPU':>10} "
-        f"{'eff':>6} {'MFU':>6} {'dropped':>7} {'loss':>7}")
+        f"{'eff':>6} {'MFU':>6} {'dropped':>7} {'loss':>7}  (each step "
+        f"waited for: step ms, eff)")
   for rec in result["runs"]:
     if "error" in rec:
       print(f"{rec['name']:>18} {rec['n']:>4} ERROR {rec['error'][:300]}")
@@ -370,7 +381,8 @@ def main(argv):
           f"{rec['tokens_per_s_per_gpu']:>10} "
           f"{rec.get('weak_scaling_efficiency', float('nan')):>6} "
           f"{rec['mfu'] or float('nan'):>6} {rec['dropped_last_step']:>7.0f} "
-          f"{rec['loss_last']:>7.3f}")
+          f"{rec['loss_last']:>7.3f}  ({rec['step_ms_each_waited_for']}, "
+          f"{rec.get('weak_scaling_efficiency_each_waited_for')})")
   print("exchange check:", json.dumps(result.get("exchange_check")))
   print("all-to-all:", json.dumps(result.get("all_to_all")))
 

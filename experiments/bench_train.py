@@ -4,7 +4,11 @@ r"""Training throughput of a preset: tokens/s and MFU per grouped-matmul backend
       --seq_len=2048 --backends=mosaic,xla --output=benchmarks/results/x.json
 
 Times the jitted train step (forward, backward, AdamW, bias update) on
-random token batches, after warm-up, as the median over --steps steps
+random token batches, after warm-up: --steps steps back to back, waited for
+once, as the training loops run them ("step_s", the mean; what tokens/s and
+MFU use), and the median of --steps steps each waited for
+("step_s_each_waited_for", which adds the host's dispatch gap between
+steps; the figure reported before 2026-11-27, session h)
 (benchmarks.timing.time_steps). MFU (m2jax.params.mfu) counts 6 x active
 parameters + causal attention FLOPs per token, the trained MTP module
 included (m2jax.params.flops_per_token), against the card's dense bf16
@@ -122,8 +126,13 @@ def bench(backend: str, dense: bool = False, variant=None) -> dict:
     compile_s = time.perf_counter() - t
     print(f"{label}: compiled the train step in {compile_s:.1f} s",
           flush=True)
-    step_s, state, metrics = timing.time_steps(compiled, state, batches,
-                                               reps=FLAGS.steps, warmup=3)
+    # Back to back, as the training loops run steps (they sync to log);
+    # then each step waited for, the figure before 2026-11-27 (session h).
+    step_s, state, metrics = timing.time_steps(
+        compiled, state, batches, reps=FLAGS.steps, warmup=3,
+        back_to_back=True)
+    synced_s, state, _ = timing.time_steps(compiled, state, batches,
+                                           reps=FLAGS.steps, warmup=0)
     profile = None
     if FLAGS.profile_dir:
       state, profile = train_profile_table.capture(
@@ -142,11 +151,17 @@ def bench(backend: str, dense: bool = False, variant=None) -> dict:
   out = {"backend": backend, "label": label, "dense": dense,
          "settings": mcfg.settings.to_dict(),
          "compile_s": compile_s, "step_s": step_s,
+         "step_s_each_waited_for": synced_s,
          "tokens_per_sec": tps,
          "model_tflops": tps * fpt / 1e12,
          "mfu": params.mfu(tps, fpt, peak_flops()),
          "peak_memory_gib": mem.get("peak_bytes_in_use", 0) / 2**30,
          "loss": float(metrics["loss"])}
+  if "router/load_max_over_mean" in metrics:
+    # How uneven the experts' groups were: the weight-gradient kernels'
+    # work per group grows with its rows (benchmarks/notes/train.md).
+    out["router_load_max_over_mean"] = float(
+        metrics["router/load_max_over_mean"])
   if dense:
     out["dense_intermediate_size"] = mcfg.dense_intermediate_size
   if profile is not None:
@@ -189,6 +204,7 @@ def main(argv):
       if not r["dense"] and "error" not in r:
         r["moe_over_dense"] = r["step_s"] / dense_run["step_s"]
   profiles = [r.pop("profile") for r in result["runs"] if "profile" in r]
+  B_T = FLAGS.batch_size * FLAGS.seq_len
   print(f"\n{result['device']}: {FLAGS.preset} B={FLAGS.batch_size} "
         f"T={FLAGS.seq_len}; dense matmul {result['dense_bf16_matmul_tflops']:.0f}"
         " TFLOP/s")
@@ -198,9 +214,10 @@ def main(argv):
     else:
       ratio = (f"  {r['moe_over_dense']:.2f}x the dense step"
                if "moe_over_dense" in r else "")
+      waited = B_T / r["step_s_each_waited_for"]
       print(f"  {r['label']:>11}: {r['tokens_per_sec']:>10,.0f} tok/s  "
             f"MFU {r['mfu'] or 0:.1%}  {r['peak_memory_gib']:.1f} GiB"
-            f"{ratio}")
+            f"{ratio}  ({waited:,.0f} tok/s with each step waited for)")
   if profiles:
     result["profile_table"] = train_profile_table.write_markdown(
         profiles, _output_stem())

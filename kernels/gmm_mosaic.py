@@ -243,6 +243,19 @@ def _epilogue(parts, out_smem, wg, row0, lo, count):
       plgpu.commit_smem_to_gmem_group()
 
 
+def _snake_items(num_items, num_sms):
+  """(count, item) of this program for work items dealt out in a snake:
+  wave i gives item i * num_sms + lane to each program, lane = sm in even
+  waves and num_sms - 1 - sm in odd ones. With the items sorted by cost,
+  largest first, every program then gets a similar total: round-robin
+  would give program 0 the largest item of every wave."""
+  sm = lax.axis_index("sm")
+  lane = lambda i: jnp.where(lax.rem(i, 2) == 0, sm, num_sms - 1 - sm)
+  full = num_items // num_sms
+  count = full + (lane(full) < num_items - full * num_sms).astype(jnp.int32)
+  return count, lambda i: i * num_sms + lane(i)
+
+
 def _my_half(wg):
   return pl.ds(pl.multiple_of(wg * _HALF, _HALF), _HALF)
 
@@ -469,9 +482,12 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
     lhs = jnp.pad(lhs, ((0, m_pad), (0, 0)))
     grad = jnp.pad(grad, ((0, m_pad), (0, 0)))
   starts, ends = group_bounds(group_sizes, m)
+  # A work item's k loop runs over its group's rows, so uneven groups give
+  # uneven items: the largest groups go first, dealt out in a snake.
+  by_size = jnp.argsort(starts - ends, stable=True).astype(jnp.int32)
 
-  def body(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref):
-    sm, my_count = _my_items(g * per_group, num_sms)
+  def body(starts_ref, ends_ref, by_size_ref, lhs_ref, grad_ref, out_ref):
+    my_count, my_item = _snake_items(g * per_group, num_sms)
     scratch = dict(
         a_smem=_swizzled((stages, tk, tm), lhs.dtype),
         b_smem=_swizzled((stages, tk, tn), grad.dtype),
@@ -483,8 +499,8 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
     )
 
     def item(i):
-      w = sm + i * num_sms
-      grp = lax.div(w, per_group)
+      w = my_item(i)
+      grp = by_size_ref[lax.div(w, per_group)]
       r = lax.rem(w, per_group)
       start, end = starts_ref[grp], ends_ref[grp]
       first = pl.multiple_of(lax.div(start, _ROW_ALIGN) * _ROW_ALIGN,
@@ -544,4 +560,4 @@ def tgmm(lhs, grad, group_sizes, *, out_dtype=None,
 
   call = _kernel_call(body, jax.ShapeDtypeStruct((g, k, n), out_dtype),
                       interpret=interpret, cfg=cfg)
-  return call(starts, ends, lhs, grad)
+  return call(starts, ends, by_size, lhs, grad)
