@@ -14,10 +14,10 @@ The per-GPU batch stays fixed: n GPUs train on n x batch_per_gpu rows of
 random tokens with the mesh expert=n (n = 1: the plain single-device path,
 no mesh), AdamW, MTP depth 1, exactly the jitted step of m2jax.train.step.
 Runs go one at a time (baseline, largest count, the rest): compile the
-sharded init and step, train warmup + timed steps (the median step,
-benchmarks.timing.time_steps: the steps back to back, as the training loops
-run them, and beside that each step waited for; MFU from m2jax.params.mfu),
-append to the JSON.
+sharded init and step, train warmup + timed steps
+(benchmarks.timing.time_steps: the mean step of steps run back to back, as
+the training loops run them, and beside it the median step with each step
+waited for; MFU from m2jax.params.mfu), append to the JSON.
 Weak-scaling efficiency = tokens/s/GPU at n over tokens/s/GPU at 1.
 
 Also measured, for the analysis: the exchange checked on the GPUs against

@@ -82,6 +82,10 @@ def define(flag_values: flags.FlagValues = FLAGS, **defaults) -> None:
                        "grouped matmuls).", **d)
   flags.DEFINE_bool("remat", False, "Recompute each block's activations in "
                     "the backward pass (less activation memory).", **d)
+  flags.DEFINE_bool("sequence_balance", False, "Under a mesh 'sequence' "
+                    "axis, each device attends for an early and a late "
+                    "chunk of the row (zig-zag), evening out causal rows.",
+                    **d)
   flags.DEFINE_integer(
       "loss_chunk", settings_lib.DEFAULT_LOSS_CHUNK, "Positions per row "
       "for which lm_head and cross-entropy run at once (never [B, T, V] "
@@ -162,6 +166,7 @@ def settings_from_flags(
       capacity_factor=f.moe_capacity_factor,
       exchange_chunks=f.exchange_chunks,
       remat=f.remat,
+      sequence_balance=f.sequence_balance,
       loss_chunk=f.loss_chunk,
       loss_impl=f.loss_impl)
 

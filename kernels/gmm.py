@@ -217,7 +217,10 @@ def gmm_swiglu(lhs, w1, w3, group_sizes, *, backend="auto",
   differentiation the forward kernel also writes both products (in lhs's
   dtype) for the backward, which recomputes no matmul: the two products'
   gradients go side by side through one lhs-gradient matmul over 2F and one
-  weight-gradient matmul for both weights.
+  weight-gradient matmul for both weights. The backward's SwiGLU derivative
+  thus reads a and b rounded to lhs's dtype, where the forward used them in
+  float32 (an error of the size of the bf16 rounding that d a and d b get
+  anyway, cast to lhs's dtype for the matmuls).
   """
   _validate(lhs, w1, group_sizes)
   if w1.shape != w3.shape:

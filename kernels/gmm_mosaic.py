@@ -168,13 +168,17 @@ def _out_slots(n_out, dtype, ring_bytes):
 
   With a slot per chunk the epilogue writes the whole tile, fences once and
   issues all stores; with fewer it cycles through them, waiting on stores.
+  Cycling needs a slot count that divides the chunks: the wait before a
+  slot's reuse counts the store groups of earlier work items too, so each
+  item must start where the last one left the cycle (slot 0).
   """
   slot_bytes = _NUM_COMPUTE_WGS * _HALF * 128
   fit = (_SMEM_BYTES - ring_bytes) // slot_bytes
   if fit < 2:
     raise ValueError("gmm tile config leaves no shared memory for the "
                      "epilogue; use fewer stages or a narrower tile")
-  return min(n_out // _epi_cols(dtype), fit)
+  chunks = n_out // _epi_cols(dtype)
+  return max(d for d in range(1, min(chunks, fit) + 1) if chunks % d == 0)
 
 
 def _out_smem(dtype, slots):
@@ -235,6 +239,7 @@ def _epilogue(parts, out_smem, wg, row0, lo, count):
         store(dst, slot)
       plgpu.commit_smem_to_gmem_group()
       return
+    assert len(chunks) % slots == 0, (len(chunks), slots)  # _out_slots
     for c, (val, dst) in enumerate(chunks):
       plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       out_smem[wg, c % slots] = val
@@ -243,13 +248,13 @@ def _epilogue(parts, out_smem, wg, row0, lo, count):
       plgpu.commit_smem_to_gmem_group()
 
 
-def _snake_items(num_items, num_sms):
-  """(count, item) of this program for work items dealt out in a snake:
-  wave i gives item i * num_sms + lane to each program, lane = sm in even
-  waves and num_sms - 1 - sm in odd ones. With the items sorted by cost,
-  largest first, every program then gets a similar total: round-robin
-  would give program 0 the largest item of every wave."""
-  sm = lax.axis_index("sm")
+def _snake_items(num_items, num_sms, sm=None):
+  """(count, item) of program `sm` (this one if None) for work items dealt
+  out in a snake: wave i gives item i * num_sms + lane to each program,
+  lane = sm in even waves and num_sms - 1 - sm in odd ones. With the items
+  sorted by cost, largest first, every program then gets a similar total:
+  round-robin would give program 0 the largest item of every wave."""
+  sm = lax.axis_index("sm") if sm is None else sm
   lane = lambda i: jnp.where(lax.rem(i, 2) == 0, sm, num_sms - 1 - sm)
   full = num_items // num_sms
   count = full + (lane(full) < num_items - full * num_sms).astype(jnp.int32)

@@ -27,6 +27,7 @@ Where each field is read:
   all_to_all, capacity_factor, exchange_chunks
                    m2jax/model/moe.py -> m2jax/model/expert_parallel.py
   remat            m2jax/model/block.py
+  sequence_balance m2jax/model/attention.py -> m2jax/model/context_parallel.py
   loss_chunk, loss_impl
                    m2jax/train/step.py -> m2jax/train/losses.py
 """
@@ -108,6 +109,11 @@ class Settings:
     another's grouped matmuls.
   remat: recompute each block's activations in the backward pass (saves
     activation memory).
+  sequence_balance: under a mesh "sequence" axis of n devices, each device
+    computes attention for two of the row's 2n chunks, an early and a late
+    one (zig-zag), so a causal row's pairs split evenly instead of the last
+    device holding the most; two more all-gathers a layer, rows divisible
+    by 2n (m2jax.model.context_parallel).
   loss_chunk: the train and eval steps compute lm_head and cross-entropy
     this many positions of every row at a time, never holding [B, T, V]
     float32 logits (m2jax.train.losses.chunked_cross_entropy); 0 applies
@@ -132,6 +138,7 @@ class Settings:
   capacity_factor: float = 0.0
   exchange_chunks: int = 1
   remat: bool = False
+  sequence_balance: bool = False
   loss_chunk: int = DEFAULT_LOSS_CHUNK
   loss_impl: str = DEFAULT_LOSS_IMPL
 
@@ -177,6 +184,9 @@ class Settings:
             self.exchange_chunks)
     if not isinstance(self.remat, bool):
       _fail("remat", "must be True or False", self.remat)
+    if not isinstance(self.sequence_balance, bool):
+      _fail("sequence_balance", "must be True or False",
+            self.sequence_balance)
     if (not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk,
                                                            bool)
         or self.loss_chunk < 0):

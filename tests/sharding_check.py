@@ -131,7 +131,10 @@ CP_MCFG = MCFG.replace(attention_pattern=("sliding",), sliding_window=5,
 # kernel (what rows past DENSE_MAX_LEN run off a GPU), not the dense mask.
 CP_MESHES = {"sequence=8": Settings(), "data=2,sequence=2,tensor=2": Settings(),
              "sequence=8 tree": Settings(attention="tree", interpret=True,
-                                         gmm_backend="xla")}
+                                         gmm_backend="xla"),
+             # The zig-zag placement: each device attends for chunks s and
+             # 15 - s of the row's 16.
+             "sequence=8 balanced": Settings(sequence_balance=True)}
 
 
 def _packed_batch(B=8, T=32):
@@ -181,15 +184,18 @@ def check_context_parallel(variables, result):
         "reduce_scatters": text.count("stablehlo.reduce_scatter"),
         "seconds": round(time.time() - t, 1),
     }
-  # Rows the axis does not divide: one line before any work.
-  mesh = sharding.make_mesh("sequence=8")
-  try:
-    with sharding.use_mesh(mesh):
-      jax.eval_shape(functools.partial(model.forward, CP_MCFG), variables,
-                     jnp.zeros((8, 12), jnp.int32))
-    result["context_parallel"]["indivisible"] = None
-  except context_parallel.ContextParallelError as e:
-    result["context_parallel"]["indivisible"] = str(e)
+  # Rows the axis does not divide: one line before any work. 24 splits into
+  # 8 parts, not into the 16 chunks of the zig-zag placement.
+  balanced = CP_MCFG.replace(settings=Settings(sequence_balance=True))
+  for name, mcfg, length in (("indivisible", CP_MCFG, 12),
+                             ("indivisible_balanced", balanced, 24)):
+    try:
+      with sharding.use_mesh(sharding.make_mesh("sequence=8")):
+        jax.eval_shape(functools.partial(model.forward, mcfg), variables,
+                       jnp.zeros((8, length), jnp.int32))
+      result["context_parallel"][name] = None
+    except context_parallel.ContextParallelError as e:
+      result["context_parallel"][name] = str(e)
 
 
 def _corpus(directory):

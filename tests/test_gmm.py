@@ -141,6 +141,36 @@ def test_schedule_covers_each_row_once():
     np.testing.assert_array_equal(owner, expect)
 
 
+def test_snake_deals_every_item_once():
+  """tgmm's work items dealt out in a snake (gmm_mosaic._snake_items): over
+  all programs every item comes exactly once, for full and partial last
+  waves of either parity, and fewer items than programs."""
+  for num_sms in range(1, 8):
+    for num_items in range(0, 3 * num_sms + 2):
+      seen = []
+      for sm in range(num_sms):
+        count, item = gmm_mosaic._snake_items(num_items, num_sms, sm)
+        seen += [int(item(i)) for i in range(int(count))]
+      assert sorted(seen) == list(range(num_items)), (num_sms, num_items)
+  _, item = gmm_mosaic._snake_items(10, 4, 0)
+  assert [int(item(i)) for i in range(3)] == [0, 7, 8]  # SM 0 snakes back
+
+
+def test_epilogue_slots_divide_the_chunks():
+  """A cycling epilogue reuses its slots across work items, so the slot
+  count must divide the chunks of an item: the fused SwiGLU forward with
+  its three outputs (6 chunks of 128 bytes beside a 147 KB ring, room for
+  5 slots) gets 3; float32 outputs 256 wide (8 chunks) get 4."""
+  ring = 3 * 64 * (128 + 256) * 2
+  assert gmm_mosaic._out_slots(3 * 128, BF16, ring) == 3
+  assert gmm_mosaic._out_slots(256, jnp.float32, 3 * 64 * 384 * 2) == 4
+  assert gmm_mosaic._out_slots(128, BF16, ring) == 2  # whole tile at once
+  for n_out in (128, 256, 384, 512, 768):
+    for dtype in (BF16, jnp.float32):
+      slots = gmm_mosaic._out_slots(n_out, dtype, ring)
+      assert (n_out // gmm_mosaic._epi_cols(dtype)) % slots == 0
+
+
 def test_swiglu_fused_kernel_and_vjp():
   lhs, w1, sizes, rng = _inputs(8, 136, 128, 128, 3, "with_zeros_and_tail")
   w3 = np.asarray(jnp.asarray(rng.standard_normal(w1.shape) / 8, BF16)

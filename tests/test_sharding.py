@@ -119,14 +119,19 @@ def test_sharded_forward_loss_and_grads_equal_one_device(report, mesh):
 
 
 @pytest.mark.parametrize("mesh", ["sequence=8", "data=2,sequence=2,tensor=2",
-                                  "sequence=8 tree"])
+                                  "sequence=8 tree", "sequence=8 balanced"])
 def test_context_parallel_loss_and_grads_equal_one_device(report, mesh):
   # Packed rows of 2 to 5 documents crossing shard boundaries, a sliding
   # window with a sink and a full-attention MTP block, the balance loss on
   # (sharding_check.py); with tensor=2 each shard also splits its heads;
   # "tree": the MTP block's shards run the tree kernels on their query rows
-  # (a GPU's path), the windowed main layer's the blockwise flash kernel.
+  # (a GPU's path), the windowed main layer's the blockwise flash kernel;
+  # "balanced": the zig-zag placement (Settings.sequence_balance), whose
+  # queries and outputs are gathered too.
   r = report["context_parallel"][mesh]
+  if mesh.endswith("balanced"):
+    plain = report["context_parallel"]["sequence=8"]["all_gathers"]
+    assert r["all_gathers"] > plain, (r, plain)
   assert r["loss"] <= TOL and r["logits"] <= TOL and r["grads"] <= TOL, r
   assert r["load"] == 0, r  # the expert-bias update sees the global load
   # The head inputs [B, T, D] (the loss reads them in chunks) stay split
@@ -145,6 +150,13 @@ def test_context_parallel_refuses_an_indivisible_row(report):
       "row length T=12 is not divisible by the mesh axis sequence=8: context "
       "parallelism splits every row into 8 equal parts (choose seq_len a "
       "multiple of 8)")
+
+
+def test_balanced_context_parallel_refuses_rows_not_in_2n_chunks(report):
+  assert report["context_parallel"]["indivisible_balanced"] == (
+      "row length T=24 is not divisible by 16: Settings.sequence_balance "
+      "splits every row into 2 x sequence=8 chunks (choose seq_len a "
+      "multiple of 16, or --nosequence_balance)")
 
 
 def test_sharded_training_loop_matches_one_device(report):

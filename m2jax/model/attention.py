@@ -388,7 +388,8 @@ class Attention(nn.Module):
           shard_attention, window=self.window,
           num_sink_tokens=cfg.num_sink_tokens, impl=cfg.settings.attention,
           tree_config=cfg.settings.tree_attention),
-          q, k, v, segment_ids_BxT, positions_BxT)
+          q, k, v, segment_ids_BxT, positions_BxT,
+          balance=cfg.settings.sequence_balance)
     else:
       out = packed_attention(q, k, v, segment_ids_BxT, positions_BxT,
                              window=self.window, impl=cfg.settings.attention,

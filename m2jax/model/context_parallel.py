@@ -18,9 +18,18 @@ autodiff derives. Routing statistics stay global: they are computed
 outside the shard_map, on arrays XLA partitions.
 
 The per-shard attention is `m2jax.model.attention.shard_attention`: the
-blockwise flash kernel (no [T/n, T] array) past DENSE_MAX_LEN tokens, the
-dense mask below. Causal rows give later shards more unmasked work, which
-the blockwise kernel skips and the dense path computes anyway.
+tree kernels on the shard's query rows where the whole row would run them,
+else the blockwise flash kernel (no [T/n, T] array) past DENSE_MAX_LEN
+tokens and the dense mask below.
+
+A causal row gives later shards more pairs: of two shards, the second holds
+3/4 of them, and the first waits for it. With `balance`
+(Settings.sequence_balance) the queries are gathered too and each device
+computes two of the row's 2n chunks, an early and a late one (chunks s and
+2n-1-s: the zig-zag placement), so every device gets the same share of a
+causal row's pairs; the outputs are gathered back and each device keeps its
+own T/n rows. It costs two more all-gathers a layer (queries and outputs,
+their reduce-scatters in the backward) and needs T divisible by 2n.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Callable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from m2jax.errors import UserError
 
@@ -67,15 +77,22 @@ def sequence_shards() -> int:
   return mesh.shape[SEQUENCE_AXIS]
 
 
-def check_length(length: int) -> None:
+def check_length(length: int, balance: bool = False) -> None:
   """Raise ContextParallelError unless rows of `length` tokens split evenly
-  over the "sequence" axis (before any constraint asks XLA to split them)."""
+  over the "sequence" axis (before any constraint asks XLA to split them);
+  with `balance`, into 2n equal chunks."""
   n = sequence_shards()
   if length % n:
     raise ContextParallelError(
         f"row length T={length} is not divisible by the mesh axis "
         f"{SEQUENCE_AXIS}={n}: context parallelism splits every row into "
         f"{n} equal parts (choose seq_len a multiple of {n})")
+  if balance and n > 1 and length % (2 * n):
+    raise ContextParallelError(
+        f"row length T={length} is not divisible by {2 * n}: "
+        f"Settings.sequence_balance splits every row into 2 x "
+        f"{SEQUENCE_AXIS}={n} chunks (choose seq_len a multiple of {2 * n}, "
+        f"or --nosequence_balance)")
 
 
 # (q_local, k_full, v_full, q_segment_ids, kv_segment_ids, q_positions,
@@ -84,18 +101,19 @@ ShardAttention = Callable[..., jax.Array]
 
 
 def attention(attend: ShardAttention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
-              segment_ids_BxT, positions_BxT):
+              segment_ids_BxT, positions_BxT, *, balance: bool = False):
   """Self-attention of rows split over "sequence" (module docstring).
 
   Arguments are global arrays in the logical layout of
   m2jax.model.attention (rows over the batch axes, T over "sequence",
-  heads over "tensor"). `attend` computes one shard's output from its
-  queries and the gathered row; q_offset is the row index of its first
-  query (a traced scalar).
+  heads over "tensor"). `attend` computes the output of a run of queries
+  from them and the gathered row; q_offset is the row index of its first
+  query (a traced scalar). `balance`: the zig-zag placement (module
+  docstring).
   """
   mesh = jax.sharding.get_abstract_mesh()
   n, T = mesh.shape[SEQUENCE_AXIS], q_BxTxNxH.shape[1]
-  check_length(T)
+  check_length(T, balance)
   q_spec = _mesh_axes(("act_batch", "act_length", "act_heads", None), mesh)
   kv_spec = _mesh_axes(("act_batch", "act_length", "act_kv_heads", None),
                        mesh)
@@ -103,9 +121,27 @@ def attention(attend: ShardAttention, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
   gather = lambda x: jax.lax.all_gather(x, SEQUENCE_AXIS, axis=1, tiled=True)
 
   def body(q, k, v, segment_ids, positions):
-    q_offset = jax.lax.axis_index(SEQUENCE_AXIS) * (T // n)
-    return attend(q, gather(k), gather(v), segment_ids, gather(segment_ids),
-                  positions, gather(positions), q_offset)
+    s = jax.lax.axis_index(SEQUENCE_AXIS)
+    k, v = gather(k), gather(v)
+    row_segment_ids, row_positions = gather(segment_ids), gather(positions)
+    if not balance:
+      return attend(q, k, v, segment_ids, row_segment_ids, positions,
+                    row_positions, s * (T // n))
+    row_q, c = gather(q), T // (2 * n)
+    outs = []
+    for chunk in (s, 2 * n - 1 - s):  # an early and a late chunk
+      part = lambda x, chunk=chunk: jax.lax.dynamic_slice_in_dim(
+          x, chunk * c, c, axis=1)
+      outs.append(attend(part(row_q), k, v, part(row_segment_ids),
+                         row_segment_ids, part(row_positions), row_positions,
+                         chunk * c))
+    # Every device's two chunks [n, B, c, ...]: chunks 0 .. n-1 are the
+    # devices' early ones in device order, n .. 2n-1 their late ones in
+    # reverse order. This device keeps its own T/n rows of the row.
+    early, late = (jax.lax.all_gather(o, SEQUENCE_AXIS) for o in outs)
+    row = jnp.concatenate([early, late[::-1]], axis=0)
+    row = jnp.moveaxis(row, 0, 1).reshape(q.shape[:1] + (T,) + q.shape[2:])
+    return jax.lax.dynamic_slice_in_dim(row, s * (T // n), T // n, axis=1)
 
   # check_vma=False: the blockwise kernel's loops start from fresh zeros,
   # which the varying-axis check rejects against the varying queries. The

@@ -315,7 +315,8 @@ def gather_exchange(x_TxD, experts_TxK, weights_TxK, experts_fn, *,
     local = experts_NxK.reshape(N * K) - me * L
     key = jnp.where((local >= 0) & (local < L), local, L)
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sizes = jnp.bincount(key, length=L + 1)[:L].astype(jnp.int32)
+    # Compare-and-count, not bincount's atomic scatter-add (moe.dispatch).
+    sizes = jnp.sum(key[:, None] == jnp.arange(L), axis=0, dtype=jnp.int32)
     kept = jnp.clip(cap - (jnp.cumsum(sizes) - sizes), 0, sizes)
     total = kept.sum()
     # Each pair's row in the buffer, or `cap` (no row: another device's

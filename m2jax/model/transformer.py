@@ -119,7 +119,8 @@ class Transformer(nn.Module):
     if tree and mtp_depth and parent_BxT is None:
       raise ValueError("MTP in the tree layout needs parent (the index of "
                        "each token's parent) to follow tree edges")
-    context_parallel.check_length(tokens_BxT.shape[1])
+    context_parallel.check_length(tokens_BxT.shape[1],
+                                  self.config.settings.sequence_balance)
     if mtp_detach and not logits:
       raise ValueError("mtp_detach needs logits=True (the detached head "
                        "is applied inside the model)")

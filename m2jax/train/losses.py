@@ -107,6 +107,9 @@ def _one_pass_stats(logits_BxCxV, tgt_BxC):
   index: the log-sum-exp and the argmax without the three passes over the
   float32 [B, chunk, V] logits that jax.nn.logsumexp and jnp.argmax make
   (max, sum of exps, argmax). The fused loss needs no derivative of them.
+  Equal to those for finite logits (ties: the first index); a row holding
+  +inf or NaN gives a NaN log-sum-exp (the logits of a matmul are finite
+  unless training has already diverged).
   """
   axis = logits_BxCxV.ndim - 1
   index = jax.lax.broadcasted_iota(jnp.int32, logits_BxCxV.shape, axis)
@@ -126,6 +129,8 @@ def _one_pass_stats(logits_BxCxV, tgt_BxC):
       (jnp.float32(floor), jnp.float32(0), jnp.int32(jnp.iinfo(jnp.int32).max)),
       merge, (axis,))
   picked = jnp.take_along_axis(logits_BxCxV, tgt_BxC[..., None], -1)[..., 0]
+  # A row of -inf keeps the initial index: clamp it to a token.
+  pred = jnp.minimum(pred, logits_BxCxV.shape[-1] - 1)
   return m + jnp.log(s), picked, pred
 
 
@@ -185,9 +190,9 @@ def _fused_scan(f_BxTxD, w_DxV, tgt_BxT, wce_BxT, wz_BxT, c: int,
     # barrier keeps XLA from recomputing the float32 softmax inside either).
     dlogits = jax.lax.optimization_barrier(dlogits)
     # Compute-dtype operands, float32 accumulation: the head's matmul.
-    # Output in the compute dtype from the matmul itself (float32
-    # accumulation inside): a cuBLAS call, where a float32 output and a cast
-    # became one Triton GEMM fusion (0.3 ms slower a step on an H100).
+    # Output in the compute dtype from the matmul itself (cuBLAS accumulates
+    # in float32 on a GPU): a cuBLAS call, where a float32 output and a
+    # cast became one Triton GEMM fusion (0.3 ms slower a step on an H100).
     dx = jnp.einsum("bcv,dv->bcd", dlogits, w, preferred_element_type=cdt)
     dw_DxV = dw_DxV + jnp.einsum("bcd,bcv->dv", f_BxCxD, dlogits,
                                  preferred_element_type=jnp.float32)
