@@ -250,6 +250,19 @@ def test_tiles_reach_the_mosaic_kernels():
 def test_compiled_kernels_on_gpu():
   _check_values_and_grads(2, 300, 128, 192, 6, "with_zeros_and_tail",
                           backend="mosaic")
+  # The fused SwiGLU's three-output forward (6 epilogue chunks cycling
+  # through 3 slots, row tiles past the groups' total) and its backward.
+  lhs, w1, sizes, rng = _inputs(5, 1000, 256, 128, 5, "with_zeros_and_tail")
+  w3 = rng.standard_normal(w1.shape) / 16
+  x, a, b = (jnp.asarray(v, BF16) for v in (lhs, w1, w3))
+  gs = jnp.asarray(sizes)
+  f = lambda be: (lambda *p: jnp.sum(gmm_lib.gmm_swiglu(
+      *p, gs, backend=be).astype(jnp.float32) ** 2))
+  got = jax.jit(jax.value_and_grad(f("mosaic"), argnums=(0, 1, 2)))(x, a, b)
+  want = jax.jit(jax.value_and_grad(f("xla"), argnums=(0, 1, 2)))(x, a, b)
+  assert _rel(got[0], np.float64(want[0])) < 1e-2
+  for g1, g2 in zip(got[1], want[1]):
+    assert _rel(g1, np.asarray(g2.astype(jnp.float32), np.float64)) < 2e-2
 
 
 def test_triton_runs_only_interpreted():
