@@ -18,20 +18,20 @@ import jax
 import jax.numpy as jnp
 
 
-def time_fn(f, *args, reps: int = 10, warmup: int = 2, min_time: float = 0.0):
+def time_fn(f, *args, reps: int = 10, warmup: int = 2, min_time: float = 0.0,
+            batch: int = 1):
   """Median seconds per call of `f(*args)`, and the outputs of its last call.
 
   `warmup` untimed calls first (compilation among them), then `reps`
-  samples, each a batch of back-to-back calls synchronised once at its end.
-  With `min_time` > 0, one more untimed call sizes the batches to last about
-  `min_time` seconds, which hides the dispatch gap between calls of a short
-  kernel; with 0 every sample is one call.
+  samples, each a batch of `batch` back-to-back calls synchronised once at
+  its end. With `min_time` > 0, one more untimed call sizes the batches to
+  last about `min_time` seconds instead, which hides the dispatch gap
+  between calls of a short kernel.
   """
   out = None
   for _ in range(warmup):
     out = None  # free the last outputs before the next call
     out = jax.block_until_ready(f(*args))
-  batch = 1
   if min_time > 0:
     out = None
     t0 = time.perf_counter()
@@ -66,18 +66,13 @@ def time_steps(step, state, batches, *, reps: int = 10, warmup: int = 3,
     carry["state"], out = step(carry["state"], batch)
     return carry["state"], out
 
-  if not back_to_back:
-    seconds, (state, out) = time_fn(one_step, reps=reps, warmup=warmup)
-    return seconds, state, out
-  out = None
-  for _ in range(warmup):
-    out = None
-    out = jax.block_until_ready(one_step())
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    out = one_step()
-  out = jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / reps, out[0], out[1]
+  if back_to_back:  # one sample of `reps` steps
+    reps, batch = 1, reps
+  else:
+    batch = 1
+  seconds, (state, out) = time_fn(one_step, reps=reps, warmup=warmup,
+                                  batch=batch)
+  return seconds, state, out
 
 
 def rel_err(got, want) -> float:

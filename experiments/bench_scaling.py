@@ -313,7 +313,7 @@ def main(argv):
       nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), runs=[])
   t0 = time.time()
   _write(result)
-  base, profiles = None, []
+  base, profiles = None, []  # base: the 1-GPU run's record
   for r in runs:  # one at a time: compile, measure, write
     rec = dict(r)
     if time.time() - t0 > FLAGS.time_budget_s:
@@ -329,13 +329,13 @@ def main(argv):
       except Exception as e:  # pylint: disable=broad-except
         rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     if rec.get("n") == 1 and "tokens_per_s_per_gpu" in rec:
-      base = rec["tokens_per_s_per_gpu"]
-      base_waited_ms = rec["step_ms_each_waited_for"]
+      base = rec
     if base and "tokens_per_s_per_gpu" in rec:
-      rec["weak_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"]
-                                             / base, 3)
+      rec["weak_scaling_efficiency"] = round(
+          rec["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
       rec["weak_scaling_efficiency_each_waited_for"] = round(
-          base_waited_ms / rec["step_ms_each_waited_for"], 3)
+          base["step_ms_each_waited_for"] / rec["step_ms_each_waited_for"],
+          3)
     profile = rec.pop("profile", None)
     if profile is not None:
       profiles.append(profile)

@@ -325,40 +325,57 @@ def gather_exchange(x_TxD, experts_TxK, weights_TxK, experts_fn, *,
         jnp.arange(N * K, dtype=jnp.int32), unique_indices=True)
     row_NxK = jnp.where(rank < total, rank, cap).reshape(N, K)
     pair_C = order[:cap]
-    x_CxD = _pair_rows(x_NxD, pair_C, row_NxK)
+    x_CxD = pair_rows(x_NxD, pair_C, row_NxK)
   y_CxD = experts_fn(x_CxD, kept)
   with jax.named_scope("combine"):
-    y_NxD = _sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
+    y_NxD = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
     y = jax.lax.psum_scatter(y_NxD.astype(x_TxD.dtype), EXPERT_AXIS,
                              scatter_dimension=0, tiled=True)
   return y.astype(jnp.float32), (sizes.sum() - total).astype(jnp.int32)
 
 
+# Rows of (token, choice) pairs and the tokens they come from, without a
+# scatter: moe.dispatch's sorted copies and gather_exchange's buffer. Pair
+# j = t*K + k; `pair_C[i]` is the pair row i holds; `row_NxK[t, k]` the row
+# that holds pair (t, k), C ("no row") for a pair without one.
+
+
 def _picked(rows_CxD, row_NxK):
-  """[N, K, D] float32: rows[row[t, k]], with row C "no row" (zeros)."""
-  padded = jnp.concatenate([rows_CxD, jnp.zeros_like(rows_CxD[:1])])
-  return jnp.take(padded, row_NxK, axis=0).astype(jnp.float32)
+  """[N, K, D] float32: rows[row[t, k]], zeros for "no row" (C)."""
+  return jnp.take(rows_CxD, row_NxK, axis=0, mode="fill",
+                  fill_value=0).astype(jnp.float32)
 
 
 def _gathered_sum(rows_CxD, row_NxK, weights_NxK=None):
-  """out[t] = sum_k w[t, k] * rows[row[t, k]] (rows[C] = 0), float32."""
-  picked = _picked(rows_CxD, row_NxK)
-  if weights_NxK is not None:  # a product and a sum, which XLA fuses with
-    picked = picked * weights_NxK[..., None]   # the gather (no [N, K, D])
-  return picked.sum(axis=1)
+  """out[t] = sum_k w[t, k] * rows[row[t, k]] ("no row" adds 0), float32.
+
+  Written as K gathers added up, which XLA fuses into one elementwise loop
+  (each output element reads its K rows once): as a gather into [N, K, D]
+  and a sum over K it was a reduction over a middle axis, 0.82 ms a layer
+  on an H100 at m2_small's 32K tokens, four times its memory floor
+  (benchmarks/notes/train.md, session h).
+  """
+  out = 0.0
+  for k in range(row_NxK.shape[1]):
+    row = jnp.take(rows_CxD, row_NxK[:, k], axis=0, mode="fill",
+                   fill_value=0).astype(jnp.float32)
+    out = out + (row if weights_NxK is None else weights_NxK[:, k, None] * row)
+  return out
 
 
 @jax.custom_vjp
-def _pair_rows(x_NxD, pair_C, row_NxK):
-  """Buffer row i = x[pair_C[i] // K] (rows past the kept ones: whatever
-  token, unread). The gradient gathers each token's rows and sums them
-  (float32) instead of jnp.take's colliding scatter-add."""
+def pair_rows(x_NxD, pair_C, row_NxK):
+  """Row i = x[pair_C[i] // K], the token of the pair it holds (rows past
+  the kept ones: whatever token, unread). The gradient gathers each token's
+  rows and sums them (float32) instead of jnp.take's scatter-add, whose K
+  colliding rows a token the GPU resolves with atomics (1.38 ms a layer on
+  an H100 at m2_small's 16K tokens)."""
   K = row_NxK.shape[1]
   return jnp.take(x_NxD, pair_C // K, axis=0)
 
 
 def _pair_rows_fwd(x_NxD, pair_C, row_NxK):
-  return _pair_rows(x_NxD, pair_C, row_NxK), row_NxK
+  return pair_rows(x_NxD, pair_C, row_NxK), row_NxK
 
 
 def _pair_rows_bwd(row_NxK, g_CxD):
@@ -366,20 +383,20 @@ def _pair_rows_bwd(row_NxK, g_CxD):
   return _gathered_sum(g_CxD, row_NxK).astype(g_CxD.dtype), None, None
 
 
-_pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
+pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
 
 
 @jax.custom_vjp
-def _sum_rows(y_CxD, weights_NxK, row_NxK, pair_C):
-  """Each token's weighted sum of its rows in the buffer (float32).
-  Gradients: d rows by a gather (row i: its pair's weight x d out of its
-  token), d weights by the gathered rows; no scatter."""
+def sum_rows(y_CxD, weights_NxK, row_NxK, pair_C):
+  """Each token's weighted sum of its rows (float32). Gradients: d rows by
+  a gather (row i: its pair's weight x d out of its token), d weights by
+  the gathered rows; no scatter."""
   del pair_C
   return _gathered_sum(y_CxD, row_NxK, weights_NxK)
 
 
 def _sum_rows_fwd(y_CxD, weights_NxK, row_NxK, pair_C):
-  out = _sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
+  out = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
   return out, (y_CxD, weights_NxK, row_NxK, pair_C)
 
 
@@ -395,4 +412,4 @@ def _sum_rows_bwd(residuals, g_NxD):
   return d_y.astype(y_CxD.dtype), d_weights, None, None
 
 
-_sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
+sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)

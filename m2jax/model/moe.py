@@ -32,7 +32,6 @@ document (segment) of a packed row as its own sequence.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -204,85 +203,23 @@ def dispatch(x_TxD, routing: Routing, num_experts: int):
   return x_sorted, group_sizes, Sort(order, inverse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def token_copies(K: int, x_TxD, order, inverse):
   """x_TxD[order // K]: row i is a copy of token order[i] // K, `order` a
   permutation of the T*K (token, choice) pairs and `inverse` its inverse.
-
-  Its gradient is computed as gathers: each token sums its K rows'
-  gradients, found by `inverse`, in float32 (`_gather_sum`). jnp.take's own
-  transpose is a scatter-add with K colliding rows per token, which the
-  GPU runs with atomics: 1.38 ms per MoE layer on an H100 at m2_small's
-  16K tokens, three quarters of the dispatch (benchmarks/notes/train.md).
-  """
-  del inverse
-  return jnp.take(x_TxD, order // K, axis=0)
-
-
-def _token_copies_fwd(K, x_TxD, order, inverse):
-  return token_copies(K, x_TxD, order, inverse), inverse
-
-
-def _token_copies_bwd(K, inverse, g_NxD):
-  rows_TxK = inverse.reshape(-1, K)
-  # The copies' cotangent has x's dtype.
-  return _gather_sum(g_NxD, rows_TxK).astype(g_NxD.dtype), None, None
-
-
-def _gather_sum(rows_NxD, index_TxK, weights_TxK=None):
-  """sum_k weights[t, k] * rows[index[t, k]] in float32, [T, D].
-
-  Written as K gathers added up, which XLA fuses into one elementwise loop
-  (each output element reads its K rows once): as a gather into [T, K, D]
-  and a sum over K it was a reduction over a middle axis, 0.82 ms a layer
-  on an H100 at m2_small's 32K tokens, four times its memory floor.
-  """
-  out = 0.0
-  for k in range(index_TxK.shape[1]):
-    row = jnp.take(rows_NxD, index_TxK[:, k], axis=0, mode="clip",
-                   unique_indices=True).astype(jnp.float32)
-    out = out + (row if weights_TxK is None else weights_TxK[:, k, None] * row)
-  return out
-
-
-token_copies.defvjp(_token_copies_fwd, _token_copies_bwd)
+  Its gradient gathers each token's K rows and sums them, no scatter-add
+  (expert_parallel.pair_rows)."""
+  return expert_parallel.pair_rows(x_TxD, order, inverse.reshape(-1, K))
 
 
 @jax.named_scope("combine")
 def combine(y_sorted, routing: Routing, sort: Sort):
   """Undo the sort (from `dispatch`) and sum each token's K expert outputs,
   weighted, in f32: each token gathers its K rows and sums them in one pass,
-  and the gradients are gathers too (`_combine_rows`), never a scatter."""
-  return _combine_rows(y_sorted, routing.weights_TxK, sort.order,
-                       sort.inverse)
-
-
-@jax.custom_vjp
-def _combine_rows(y_NxD, weights_TxK, order, inverse):
-  rows_TxK = inverse.reshape(weights_TxK.shape)
-  return _gather_sum(y_NxD, rows_TxK, weights_TxK)
-
-
-def _combine_rows_fwd(y_NxD, weights_TxK, order, inverse):
-  out = _combine_rows(y_NxD, weights_TxK, order, inverse)
-  return out, (y_NxD, weights_TxK, order, inverse)
-
-
-def _combine_rows_bwd(residuals, g_TxD):
-  y_NxD, weights_TxK, order, inverse = residuals
-  T, K = weights_TxK.shape
-  # Sorted row i is pair order[i]: token order[i] // K, weight order[i].
-  take = functools.partial(jnp.take, axis=0, mode="clip")
-  dy = take(g_TxD, order // K) * take(weights_TxK.reshape(T * K),
-                                      order)[:, None]
-  # d weights[t, k] = <y[inverse[t*K + k]], g[t]>: a gather into a
-  # reduction over D (the minor axis).
-  y_TxKxD = take(y_NxD, inverse.reshape(T, K), unique_indices=True)
-  dw = jnp.sum(y_TxKxD.astype(jnp.float32) * g_TxD[:, None, :], axis=-1)
-  return dy.astype(y_NxD.dtype), dw.astype(weights_TxK.dtype), None, None
-
-
-_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
+  and the gradients are gathers too (expert_parallel.sum_rows), never a
+  scatter."""
+  return expert_parallel.sum_rows(
+      y_sorted, routing.weights_TxK,
+      sort.inverse.reshape(routing.weights_TxK.shape), sort.order)
 
 
 @jax.named_scope("experts")
