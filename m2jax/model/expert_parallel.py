@@ -44,6 +44,7 @@ counted, as with the capacity buffer.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -328,8 +329,8 @@ def gather_exchange(x_TxD, experts_TxK, weights_TxK, experts_fn, *,
     x_CxD = pair_rows(x_NxD, pair_C, row_NxK)
   y_CxD = experts_fn(x_CxD, kept)
   with jax.named_scope("combine"):
-    y_NxD = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
-    y = jax.lax.psum_scatter(y_NxD.astype(x_TxD.dtype), EXPERT_AXIS,
+    y_NxD = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C, x_TxD.dtype)
+    y = jax.lax.psum_scatter(y_NxD, EXPERT_AXIS,
                              scatter_dimension=0, tiled=True)
   return y.astype(jnp.float32), (sizes.sum() - total).astype(jnp.int32)
 
@@ -338,12 +339,6 @@ def gather_exchange(x_TxD, experts_TxK, weights_TxK, experts_fn, *,
 # scatter: moe.dispatch's sorted copies and gather_exchange's buffer. Pair
 # j = t*K + k; `pair_C[i]` is the pair row i holds; `row_NxK[t, k]` the row
 # that holds pair (t, k), C ("no row") for a pair without one.
-
-
-def _picked(rows_CxD, row_NxK):
-  """[N, K, D] float32: rows[row[t, k]], zeros for "no row" (C)."""
-  return jnp.take(rows_CxD, row_NxK, axis=0, mode="fill",
-                  fill_value=0).astype(jnp.float32)
 
 
 def _gathered_sum(rows_CxD, row_NxK, weights_NxK=None):
@@ -386,29 +381,41 @@ def _pair_rows_bwd(row_NxK, g_CxD):
 pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
 
 
-@jax.custom_vjp
-def sum_rows(y_CxD, weights_NxK, row_NxK, pair_C):
-  """Each token's weighted sum of its rows (float32). Gradients: d rows by
-  a gather (row i: its pair's weight x d out of its token), d weights by
-  the gathered rows; no scatter."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def sum_rows(y_CxD, weights_NxK, row_NxK, pair_C, dtype=jnp.float32):
+  """Each token's weighted sum of its rows, summed in float32 and returned
+  in `dtype`. Gradients: d rows by a gather (row i: its pair's weight x d
+  out of its token), d weights by a dot of each row with its token's d out;
+  no scatter.
+
+  Return the dtype the caller casts to next (the compute dtype): the
+  cotangent then arrives in it, and the backward's gathers of d out read
+  half the bytes of a float32 one, with the same values.
+  """
   del pair_C
-  return _gathered_sum(y_CxD, row_NxK, weights_NxK)
+  return _gathered_sum(y_CxD, row_NxK, weights_NxK).astype(dtype)
 
 
-def _sum_rows_fwd(y_CxD, weights_NxK, row_NxK, pair_C):
-  out = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C)
+def _sum_rows_fwd(y_CxD, weights_NxK, row_NxK, pair_C, dtype):
+  out = sum_rows(y_CxD, weights_NxK, row_NxK, pair_C, dtype)
   return out, (y_CxD, weights_NxK, row_NxK, pair_C)
 
 
-def _sum_rows_bwd(residuals, g_NxD):
+def _sum_rows_bwd(dtype, residuals, g_NxD):
+  del dtype
   y_CxD, weights_NxK, row_NxK, pair_C = residuals
   N, K = row_NxK.shape
   C = y_CxD.shape[0]
-  d_weights = jnp.sum(_picked(y_CxD, row_NxK) * g_NxD[:, None, :], axis=-1)
+  # Each row next to d out of its token: d rows, and (the rows read in
+  # their own order) the dot that is d weights of the pair the row holds,
+  # then picked for each pair by its row (0 for "no row").
+  g_CxD = jnp.take(g_NxD, pair_C // K, axis=0).astype(jnp.float32)
   # Row i holds pair pair_C[i] if that pair points back at it.
   mine = row_NxK.reshape(N * K)[pair_C] == jnp.arange(C, dtype=pair_C.dtype)
   scale = jnp.where(mine, weights_NxK.reshape(N * K)[pair_C], 0.0)
-  d_y = jnp.take(g_NxD, pair_C // K, axis=0) * scale[:, None]
+  d_y = g_CxD * scale[:, None]
+  dot_C = jnp.sum(y_CxD.astype(jnp.float32) * g_CxD, axis=-1)
+  d_weights = jnp.take(dot_C, row_NxK, axis=0, mode="fill", fill_value=0)
   return d_y.astype(y_CxD.dtype), d_weights, None, None
 
 

@@ -57,14 +57,74 @@ class Routing(NamedTuple):
   weights_TxK: jax.Array    # combine weights (un-biased, renormalised)
 
 
+def _bf16_pieces(a, n: int):
+  """n bfloat16 arrays that add up to float32 `a` to ~8n of its 24 bits."""
+  pieces = []
+  for _ in range(n):
+    piece = a.astype(jnp.bfloat16)
+    pieces.append(piece)
+    a = a - piece.astype(jnp.float32)
+  return pieces
+
+
+def _dot_of_pieces(a, b_pieces):
+  """a @ sum(b_pieces) in float32: one bf16 matmul against [b0 | b1 | ..]."""
+  out = jnp.dot(a, jnp.concatenate(b_pieces, axis=-1),
+                preferred_element_type=jnp.float32)
+  parts = jnp.split(out, len(b_pieces), axis=-1)
+  total = parts[-1]
+  for part in parts[-2::-1]:  # the smallest first
+    total = total + part
+  return total
+
+
+@jax.custom_vjp
+def router_logits(x_TxD, router_DxE):
+  """x @ router at float32 precision from bfloat16 tensor-core matmuls.
+
+  A bfloat16 x is exact in one piece and the float32 router in three
+  (hi + mid + lo, 24 bits), so x @ [hi | mid | lo] summed is the float32
+  product up to accumulation order, at bf16 matmul speed and without a
+  float32 copy of x. The gradients split the same way: d router = x^T @
+  [three pieces of g] (float32-exact), dx = g @ router^T from two pieces
+  of each side (16 bits, for a bfloat16 dx). Any other dtype of x takes
+  the plain float32 matmul.
+  """
+  return _router_logits_fwd(x_TxD, router_DxE)[0]
+
+
+def _router_logits_fwd(x_TxD, router_DxE):
+  return _dot_of_pieces(x_TxD, _bf16_pieces(router_DxE, 3)), (x_TxD,
+                                                                  router_DxE)
+
+
+def _router_logits_bwd(res, g_TxE):
+  x_TxD, router_DxE = res
+  g_hi, g_lo = _bf16_pieces(g_TxE, 2)
+  r_hi, r_lo = _bf16_pieces(router_DxE, 2)
+  # g @ r^T ~ g_hi r_hi + g_hi r_lo + g_lo r_hi: one matmul over 3E.
+  dx = jnp.dot(jnp.concatenate([g_hi, g_hi, g_lo], axis=-1),
+               jnp.concatenate([r_hi, r_lo, r_hi], axis=-1).T,
+               preferred_element_type=jnp.float32)
+  drouter = _dot_of_pieces(x_TxD.T, _bf16_pieces(g_TxE, 3))
+  return dx.astype(x_TxD.dtype), drouter
+
+
+router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
+
+
 # The named scopes (router, routing_stats, dispatch, combine, experts) name
 # these ops in profiles: benchmarks.train_profile_table sorts time by them.
 @jax.named_scope("router")
 def route(x_TxD, router_DxE, bias_E, *, top_k: int, gating: str,
           scaling: float) -> Routing:
   """Choose experts with the biased scores, weight them with the un-biased."""
-  logits = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  router_DxE = router_DxE.astype(jnp.float32)
+  if x_TxD.dtype == jnp.bfloat16:
+    logits = router_logits(x_TxD, router_DxE)
+  else:
+    logits = jnp.dot(x_TxD.astype(jnp.float32), router_DxE,
+                     precision=jax.lax.Precision.HIGHEST)
   if gating == "sigmoid":
     scores = jax.nn.sigmoid(logits)
   else:
@@ -212,14 +272,14 @@ def token_copies(K: int, x_TxD, order, inverse):
 
 
 @jax.named_scope("combine")
-def combine(y_sorted, routing: Routing, sort: Sort):
+def combine(y_sorted, routing: Routing, sort: Sort, dtype=jnp.float32):
   """Undo the sort (from `dispatch`) and sum each token's K expert outputs,
-  weighted, in f32: each token gathers its K rows and sums them in one pass,
-  and the gradients are gathers too (expert_parallel.sum_rows), never a
-  scatter."""
+  weighted, in f32, returned in `dtype`: each token gathers its K rows and
+  sums them in one pass, and the gradients are gathers too
+  (expert_parallel.sum_rows), never a scatter."""
   return expert_parallel.sum_rows(
       y_sorted, routing.weights_TxK,
-      sort.inverse.reshape(routing.weights_TxK.shape), sort.order)
+      sort.inverse.reshape(routing.weights_TxK.shape), sort.order, dtype)
 
 
 @jax.named_scope("experts")
@@ -304,7 +364,9 @@ def sharded_experts(x_TxD, routing: Routing, w1, w3, w2, *, mesh, token_axes,
       y_sorted, dropped = expert_parallel.exchange(
           x_sorted, sizes_E, run, top_k=K,
           capacity_factor=settings.capacity_factor, impl=impl)
-    return combine(y_sorted, local, sort), dropped
+    # Tensor parallelism adds the partial outputs in float32 (below).
+    return combine(y_sorted, local, sort,
+                   jnp.float32 if n_tp > 1 else x.dtype), dropped
 
   def body(x, experts, weights, w1, w3, w2):
     chunks = settings.exchange_chunks
@@ -368,7 +430,7 @@ class MoE(nn.Module):
       x_sorted = constrain(x_sorted, ("act_tokens", "act_embed"))
       y_sorted = swiglu_experts(x_sorted, group_sizes, w1, w3, w2,
                                 settings=cfg.settings)
-      y, dropped = combine(y_sorted, routing, sort), None
+      y, dropped = combine(y_sorted, routing, sort, cdt), None
     else:
       mesh, axes = sharded
       y, dropped = sharded_experts(x_TxD.astype(cdt), routing, w1, w3, w2,
