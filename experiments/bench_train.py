@@ -142,8 +142,14 @@ def bench(backend: str, dense: bool = False, variant=None) -> dict:
       profile["step_ms"] = step_s * 1e3
       profile["device"] = jax.devices()[0].device_kind
   except Exception as e:  # pylint: disable=broad-except
+    error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    if ("RESOURCE_EXHAUSTED" in error
+        and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ):
+      # B=24 at T=2048 needs ~71 GiB: more than the default 75% pool.
+      error += (" (JAX's memory pool is 75% of the GPU by default; "
+                "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 gives it more)")
     return {"backend": backend, "label": label, "dense": dense,
-            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            "error": error}
   del state
   tps = B * T / step_s
   fpt = params.flops_per_token(mcfg, T, mtp_depth=tcfg.mtp_depth)
