@@ -78,24 +78,30 @@ def _dot_of_pieces(a, b_pieces):
   return total
 
 
-@jax.custom_vjp
 def router_logits(x_TxD, router_DxE):
-  """x @ router at float32 precision from bfloat16 tensor-core matmuls.
+  """x @ router at float32 precision (router float32).
 
-  A bfloat16 x is exact in one piece and the float32 router in three
-  (hi + mid + lo, 24 bits), so x @ [hi | mid | lo] summed is the float32
-  product up to accumulation order, at bf16 matmul speed and without a
-  float32 copy of x. The gradients split the same way: d router = x^T @
-  [three pieces of g] (float32-exact), dx = g @ router^T from two pieces
-  of each side (16 bits, for a bfloat16 dx). Any other dtype of x takes
-  the plain float32 matmul.
+  A bfloat16 x takes bfloat16 tensor-core matmuls: x is exact in one piece
+  and the float32 router in three (hi + mid + lo, 24 bits), so x @ [hi |
+  mid | lo] summed is the float32 product up to accumulation order, at bf16
+  matmul speed and without a float32 copy of x. The gradients split the
+  same way: d router = x^T @ [three pieces of g] (float32-exact), dx = g @
+  router^T from two pieces of each side (16 bits, for a bfloat16 dx). Any
+  other x takes the float32 matmul.
   """
-  return _router_logits_fwd(x_TxD, router_DxE)[0]
+  if x_TxD.dtype == jnp.bfloat16:
+    return _router_logits_bf16(x_TxD, router_DxE)
+  return jnp.dot(x_TxD.astype(jnp.float32), router_DxE,
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+@jax.custom_vjp
+def _router_logits_bf16(x_TxD, router_DxE):
+  return _dot_of_pieces(x_TxD, _bf16_pieces(router_DxE, 3))
 
 
 def _router_logits_fwd(x_TxD, router_DxE):
-  return _dot_of_pieces(x_TxD, _bf16_pieces(router_DxE, 3)), (x_TxD,
-                                                                  router_DxE)
+  return _router_logits_bf16(x_TxD, router_DxE), (x_TxD, router_DxE)
 
 
 def _router_logits_bwd(res, g_TxE):
@@ -110,7 +116,7 @@ def _router_logits_bwd(res, g_TxE):
   return dx.astype(x_TxD.dtype), drouter
 
 
-router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
+_router_logits_bf16.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
 # The named scopes (router, routing_stats, dispatch, combine, experts) name
@@ -119,12 +125,7 @@ router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 def route(x_TxD, router_DxE, bias_E, *, top_k: int, gating: str,
           scaling: float) -> Routing:
   """Choose experts with the biased scores, weight them with the un-biased."""
-  router_DxE = router_DxE.astype(jnp.float32)
-  if x_TxD.dtype == jnp.bfloat16:
-    logits = router_logits(x_TxD, router_DxE)
-  else:
-    logits = jnp.dot(x_TxD.astype(jnp.float32), router_DxE,
-                     precision=jax.lax.Precision.HIGHEST)
+  logits = router_logits(x_TxD, router_DxE.astype(jnp.float32))
   if gating == "sigmoid":
     scores = jax.nn.sigmoid(logits)
   else:
