@@ -103,15 +103,22 @@ def _crash(monkeypatch, where: str):
   return lambda: monkeypatch.setattr(target, name, original)
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+  """(directory, summary) of the uninterrupted 3-step sync run on one
+  device: the reference of the resume test and of the mesh check."""
+  whole = tmp_path_factory.mktemp("rl_loop") / "whole"
+  return whole, _run(whole, _run_config())
+
+
 def test_resume_after_a_stop_or_a_crash_equals_the_uninterrupted_run(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, whole_run):
   """A sync run stopped after step 1, or killed at step 2 (before training
   on the groups it verified, or after training before its checkpoint), and
   resumed, trains exactly the batches the uninterrupted run trains (each
   trajectory once, none generated twice) to the same parameters, bit for
   bit; metrics.jsonl reads as one run."""
-  whole = tmp_path / "whole"
-  summary = _run(whole, _run_config())
+  whole, summary = whole_run
   assert summary["step"] == 3
   # 3 steps x 2 groups x 2 samples, each trained once.
   assert summary["pool"] == {"finished": 12, "trained": 12, "discarded": 0,
@@ -352,15 +359,17 @@ def test_a_resumed_run_reloads_the_init_it_started_from(tmp_path):
   assert loop.resumed_init(fresh, CFG) is None
 
 
-def test_loop_on_a_mesh_equals_one_device():
+def test_loop_on_a_mesh_equals_one_device(whole_run):
   """The RL loop on the mesh data=2,expert=2 (4 fake CPU devices, the
   trainer's state and the engine sharded as pretraining and serving shard
   them) trains the same batches to the same parameters as one device
-  (tests/rl_mesh_check.py, in its own process)."""
+  (tests/rl_mesh_check.py, in its own process, against the one-device run
+  of whole_run)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, os.path.join(root, "tests", "rl_mesh_check.py")],
+      [sys.executable, os.path.join(root, "tests", "rl_mesh_check.py"),
+       str(whole_run[0])],
       capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "data=2,expert=2: same batches" in proc.stdout, proc.stdout
