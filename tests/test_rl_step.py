@@ -20,7 +20,9 @@ from m2jax.settings import Settings
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
-CFG = config_lib.TINY.replace(num_mtp_modules=1,
+# One layer and the MTP module: two MoE blocks (the main layer's, the MTP
+# block's) for the step's per-block sums; the depth adds only compile time.
+CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=1,
                               settings=Settings(attention="xla"))
 RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
                       mtp_depth=1)
