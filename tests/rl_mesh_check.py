@@ -1,12 +1,14 @@
 """The Forge RL loop on a mesh of 4 fake CPU devices equals one device.
 
-  python tests/rl_mesh_check.py     # about a minute on 2 cores
+  python tests/rl_mesh_check.py [ONE_DEVICE_RUN]   # about a minute on 2 cores
 
-Runs the tiny sync run of tests/test_rl_loop.py for 2 steps on one device,
-then on the mesh data=2,expert=2 (one run: the trainer's state and the engine's
-weights and KV pages sharded as pretraining and serving shard them), and
-checks that every run generates the same batches and ends with the same
-parameters (to float32 reduction-order noise). Its own process (the fake
+Runs the tiny sync run of tests/test_rl_loop.py (3 steps) on the mesh
+data=2,expert=2 (one run: the trainer's state and the engine's weights and
+KV pages sharded as pretraining and serving shard them), and checks that it
+generates the same batches as the same run on one device and ends with the
+same parameters (to float32 reduction-order noise). The one-device run is
+ONE_DEVICE_RUN, a directory of that run (tests/test_rl_loop.py passes the
+one its tests made), or without it one run here. Its own process (the fake
 devices must be set before jax starts): tests/test_rl_loop.py runs it.
 """
 
@@ -40,10 +42,16 @@ def _placements(seen: list):
   return recorded
 
 
+STEPS = 3  # test_rl_loop.py's _run_config()
+
+
 def main() -> None:
   workdir = tempfile.mkdtemp()
-  one = os.path.join(workdir, "one")
-  t._run(one, t._run_config(steps=2))
+  if len(sys.argv) > 1:
+    one = sys.argv[1]
+  else:
+    one = os.path.join(workdir, "one")
+    t._run(one, t._run_config())
   # Both axes in one mesh: one compile of the loop instead of one per axis.
   for spec in ("data=2,expert=2",):
     here = os.path.join(workdir, spec)
@@ -51,7 +59,7 @@ def main() -> None:
     original = trainer_lib.Trainer.train
     trainer_lib.Trainer.train = _placements(seen)
     try:
-      t._run(here, t._run_config(steps=2), mesh=sharding.make_mesh(spec))
+      t._run(here, t._run_config(), mesh=sharding.make_mesh(spec))
     finally:
       trainer_lib.Trainer.train = original
     # The mesh was used: every parameter on all four devices, and with
@@ -59,9 +67,12 @@ def main() -> None:
     assert seen and all(n == 4 for step in seen for n, _ in step), spec
     split = sum(not replicated for step in seen for _, replicated in step)
     assert split > 0, (spec, split)
-    assert t._batches(one, [1, 2]) == t._batches(here, [1, 2]), spec
+    steps = list(range(1, STEPS + 1))
+    assert t._batches(one, steps) == t._batches(here, steps), spec
+    (step, _, want), (got_step, _, got) = t._params(one), t._params(here)
+    assert step == got_step == STEPS, (step, got_step)
     err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-              for a, b in zip(t._params(one)[2], t._params(here)[2]))
+              for a, b in zip(want, got))
     assert err < 1e-4, (spec, err)
     print(f"{spec}: same batches, max |parameter difference| {err:.2e}")
 

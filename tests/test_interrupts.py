@@ -25,7 +25,7 @@ from m2jax.train import interrupt
 from m2jax.train.checkpoint import Checkpointer
 from m2jax.train.metrics import read_metrics
 from conftest import FAST_COMPILE
-from test_train import ROOT, SMALL, _corpus
+from test_train import NO_MTP, ROOT, SMALL, _corpus
 
 # Long enough that a signal sent after a few logged steps lands mid-run on
 # a slow machine (steps take about 15 ms on one CPU core).
@@ -85,7 +85,7 @@ def _pretrain(workdir, corpus, env, *extra):
        f"--steps={STEPS}", "--log_every=1", "--eval_every=50",
        "--eval_batches=2", f"--checkpoint_every={CHECKPOINT_EVERY}",
        "--sample_tokens=0", "--warmup_steps=2",
-       *[f"--override={o}" for o in SMALL], *extra], env, workdir)
+       *[f"--override={o}" for o in SMALL], *NO_MTP, *extra], env, workdir)
 
 
 def _resume(workdir, env):

@@ -40,8 +40,10 @@ from m2jax.data import DataConfig, make_dataset, make_iterator, make_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "fsdp=2,expert=4"
 # One layer of the tiny preset, 4 steps of 8 rows of 64 tokens, a checkpoint
-# every 2 steps; nothing the equality does not need (sample, late evals).
-FLAGS = ("--preset=tiny", "--override=num_layers=1", f"--mesh={MESH}",
+# every 2 steps; nothing the equality does not need (sample, late evals, the
+# MTP module: its parameters are sharded and saved like the layer's).
+FLAGS = ("--preset=tiny", "--override=num_layers=1",
+         "--override=num_mtp_modules=0", "--mtp_depth=0", f"--mesh={MESH}",
          "--seq_len=64", "--batch_size=8", "--warmup_steps=1",
          "--log_every=1", "--eval_every=1000", "--eval_batches=1",
          "--sample_tokens=0")

@@ -337,7 +337,10 @@ def test_cispo_config_names_the_bad_field():
 
 # ----------------------------------------------------------- exactness -----
 
-CFG = config_lib.TINY.replace(num_mtp_modules=1, compute_dtype="float32",
+# One layer and the MTP module: every layer runs the same attention over the
+# merged rows, and the interpreted kernel and each compile cost per layer.
+CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=1,
+                              compute_dtype="float32",
                               settings=Settings(attention="xla"))
 # The same model with tree attention through the Pallas kernel (interpreted).
 CFG_KERNEL = CFG.replace(settings=Settings(

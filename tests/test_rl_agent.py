@@ -35,7 +35,10 @@ from m2jax.settings import Settings
 from m2jax.train.config import TrainConfig
 
 TOK = ByteTokenizer()
-CFG = config_lib.TINY.replace(settings=Settings(attention="xla"))
+# One layer (and the MTP module): these tests (and test_rl_blackbox.py's)
+# check the agents' rollouts and runs, not the model's depth; every program
+# compiles in about two thirds of the time.
+CFG = config_lib.TINY.replace(num_layers=1, settings=Settings(attention="xla"))
 ENV = envs.make("multiply", levels=(3,))
 AGENT_CONFIG = whitebox.AgentConfig(max_turns=3, max_context_tokens=800)
 # Pages of 128 tokens and whole-prompt prefill: every call's block table

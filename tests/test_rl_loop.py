@@ -8,6 +8,7 @@ pool's atomicity, the scheduler's rule and each loss against numpy have
 their own files (test_rl_pool.py, test_rl_scheduler.py,
 test_rl_objectives.py)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -34,7 +35,10 @@ from m2jax.train import sft
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
-CFG = config_lib.TINY.replace(settings=Settings(attention="xla"))
+# One layer (and the MTP module): what these tests check is the loop's, not
+# the depth's (the engine and the step have their own tests at two layers),
+# and every program compiles in about two thirds of the time.
+CFG = config_lib.TINY.replace(num_layers=1, settings=Settings(attention="xla"))
 TRAIN = TrainConfig(steps=3, learning_rate=1e-3, warmup_steps=0,
                     decay_fraction=0.0, weight_decay=0.0, mtp_depth=1,
                     mtp_weight=0.1, mtp_weight_final=0.1)
@@ -103,15 +107,22 @@ def _crash(monkeypatch, where: str):
   return lambda: monkeypatch.setattr(target, name, original)
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+  """(directory, summary) of the uninterrupted 3-step sync run on one
+  device: the reference of the resume test and of the mesh check."""
+  whole = tmp_path_factory.mktemp("rl_loop") / "whole"
+  return whole, _run(whole, _run_config())
+
+
 def test_resume_after_a_stop_or_a_crash_equals_the_uninterrupted_run(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, whole_run):
   """A sync run stopped after step 1, or killed at step 2 (before training
   on the groups it verified, or after training before its checkpoint), and
   resumed, trains exactly the batches the uninterrupted run trains (each
   trajectory once, none generated twice) to the same parameters, bit for
   bit; metrics.jsonl reads as one run."""
-  whole = tmp_path / "whole"
-  summary = _run(whole, _run_config())
+  whole, summary = whole_run
   assert summary["step"] == 3
   # 3 steps x 2 groups x 2 samples, each trained once.
   assert summary["pool"] == {"finished": 12, "trained": 12, "discarded": 0,
@@ -305,9 +316,11 @@ def test_frozen_references_survive_a_resume(tmp_path):
   assert abs(last["mtp/ref_kl"] - last["mtp/kl"]) > 1e-3 * last["mtp/kl"]
 
 
-def _init_run(workdir: str, model_config, seed: int) -> None:
+def _init_run(workdir: str, model_config, seed: int | None) -> None:
   """A run directory as experiments.pretrain leaves it (config.json,
-  tokenizer/, a checkpoint at step 4) of a model initialised from `seed`."""
+  tokenizer/, a checkpoint at step 4) of a model initialised from `seed`
+  (None: zeros of the model's shapes, for a run only its config is read
+  of; model.init would compile for that config alone)."""
   meta = {"model": config_lib.config_to_dict(model_config),
           "train": config_lib.config_to_dict(TRAIN),
           "data": {}}
@@ -317,8 +330,13 @@ def _init_run(workdir: str, model_config, seed: int) -> None:
     json.dump(meta, f)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        keep=1)
-  checkpointer.save(4, state_lib.init_state(
-      model_config, TRAIN, model.init(model_config, jax.random.key(seed))),
+  if seed is None:
+    variables = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                             jax.eval_shape(functools.partial(
+                                 model.init, model_config, jax.random.key(0))))
+  else:
+    variables = model.init(model_config, jax.random.key(seed))
+  checkpointer.save(4, state_lib.init_state(model_config, TRAIN, variables),
                     {}, meta)
   checkpointer.close()
 
@@ -341,7 +359,7 @@ def test_a_resumed_run_reloads_the_init_it_started_from(tmp_path):
                   jax.tree.leaves(init.variables)):
     np.testing.assert_array_equal(a, b)
   other = str(tmp_path / "other")
-  _init_run(other, CFG.replace(hidden_size=2 * CFG.hidden_size), seed=7)
+  _init_run(other, CFG.replace(hidden_size=2 * CFG.hidden_size), seed=None)
   with pytest.raises(config_lib.ConfigError, match="not the one"):
     loop.resumed_init(workdir, CFG, init_dir=other)
   os.rename(init_dir, str(tmp_path / "moved"))
@@ -352,15 +370,17 @@ def test_a_resumed_run_reloads_the_init_it_started_from(tmp_path):
   assert loop.resumed_init(fresh, CFG) is None
 
 
-def test_loop_on_a_mesh_equals_one_device():
+def test_loop_on_a_mesh_equals_one_device(whole_run):
   """The RL loop on the mesh data=2,expert=2 (4 fake CPU devices, the
   trainer's state and the engine sharded as pretraining and serving shard
   them) trains the same batches to the same parameters as one device
-  (tests/rl_mesh_check.py, in its own process)."""
+  (tests/rl_mesh_check.py, in its own process, against the one-device run
+  of whole_run)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, os.path.join(root, "tests", "rl_mesh_check.py")],
+      [sys.executable, os.path.join(root, "tests", "rl_mesh_check.py"),
+       str(whole_run[0])],
       capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "data=2,expert=2: same batches" in proc.stdout, proc.stdout

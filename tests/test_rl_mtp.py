@@ -133,7 +133,9 @@ def test_the_kl_pairs_depth_k_with_the_policy_on_each_branch():
   assert 0 < float(metrics["mtp/accept_prob"]) < 1
 
 
-CFG = config_lib.TINY.replace(num_mtp_modules=1,
+# One layer and the MTP module: two MoE blocks (the main layer's, the MTP
+# block's) for the step's per-block sums; the depth adds only compile time.
+CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=1,
                               settings=Settings(attention="xla"))
 
 

@@ -20,10 +20,28 @@ from m2jax.settings import Settings
 from m2jax.train import state as state_lib
 from m2jax.train.config import TrainConfig
 
-CFG = config_lib.TINY.replace(num_mtp_modules=1,
+# One layer and the MTP module: two MoE blocks (the main layer's, the MTP
+# block's) for the step's per-block sums; the depth adds only compile time.
+CFG = config_lib.TINY.replace(num_layers=1, num_mtp_modules=1,
                               settings=Settings(attention="xla"))
 RL = rl_step.RLConfig(cispo=cispo.CISPOConfig(eps_low=0.2, eps_high=0.3),
                       mtp_depth=1)
+# A large Adam eps keeps the first update linear in the gradient, so float
+# rounding in tiny gradients cannot flip its sign; the routers at the full
+# rate move enough to compare at the tolerance of the micro-batch test.
+TCFG = TrainConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3,
+                   router_lr_scale=1.0)
+# Rows per micro-batch: 2 splits the 5 rows of _batch into three
+# micro-batches, the last with a padding row; None: one batch of all rows.
+ROWS = (2, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_train_step():
+  """rl_step.train_step jitted once for the tests below: they share its two
+  programs (one per micro-batch layout in ROWS)."""
+  return jax.jit(functools.partial(rl_step.train_step, model_config=CFG,
+                                   train_config=TCFG, config=RL))
 
 
 def _batch(seed=0, vocab=60):
@@ -102,22 +120,16 @@ def test_make_batches_rejects_bad_input():
 
 
 def test_train_step_over_rows_equals_one_batch():
-  """One policy update with the rows as three micro-batches (scan) equals
-  the update with all rows at once: loss, the MTP metrics, parameters and
-  the expert bias (loads summed over micro-batches) of the main and MTP
-  blocks."""
+  """One policy update with the rows as three micro-batches (scan, the last
+  padded) equals the update with all rows at once: loss, the MTP metrics,
+  parameters and the expert bias (loads summed over micro-batches) of the
+  main and MTP blocks."""
   _, trees, groups = _batch(seed=1)
   variables = model.init(CFG, jax.random.key(0))
-  # A large Adam eps keeps the first update linear in the gradient, so
-  # float rounding in tiny gradients cannot flip its sign; the routers at
-  # the full rate move enough to compare at the tolerance below.
-  tcfg = TrainConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3,
-                     router_lr_scale=1.0)
-  step = jax.jit(functools.partial(rl_step.train_step, model_config=CFG,
-                                   train_config=tcfg, config=RL))
+  step = _jit_train_step()
   results = []
-  for rows in (1, None):
-    state = state_lib.init_state(CFG, tcfg, variables)
+  for rows in ROWS:
+    state = state_lib.init_state(CFG, TCFG, variables)
     batches = rl_step.stack_batches(rl_step.make_batches(
         trees, groups, RL, rows_per_batch=rows))
     results.append(step(state, batches))
@@ -149,14 +161,14 @@ def test_routing_means_over_micro_batches_equal_the_one_batch_value():
   """The router entropy (a mean over tokens) and aux loss (a mean over
   documents) of a step over micro-batches are the one-batch values, not
   their sum; the loads add up."""
-  _, trees, groups = _batch(seed=2)
+  # The previous test's batch layout and programs (another init): these
+  # metrics are the forward pass's, whatever the optimizer settings.
+  _, trees, groups = _batch(seed=1)
   variables = model.init(CFG, jax.random.key(1))
-  tcfg = TrainConfig(learning_rate=1e-2, warmup_steps=0)
-  step = jax.jit(functools.partial(rl_step.train_step, model_config=CFG,
-                                   train_config=tcfg, config=RL))
-  state = state_lib.init_state(CFG, tcfg, variables)
+  step = _jit_train_step()
+  state = state_lib.init_state(CFG, TCFG, variables)
   metrics = [step(state, rl_step.stack_batches(rl_step.make_batches(
-      trees, groups, RL, rows_per_batch=rows)))[1] for rows in (2, None)]
+      trees, groups, RL, rows_per_batch=rows)))[1] for rows in ROWS]
   assert int(trees.tokens.shape[0]) > 2  # at least two micro-batches
   for key in ("router/entropy", "router/aux_loss", "router/load_cv",
               "mtp/router/entropy", "mtp/router/aux_loss"):

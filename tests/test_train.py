@@ -28,6 +28,11 @@ SMALL = ["num_layers=1", "hidden_size=32", "num_heads=4", "num_kv_heads=2",
          "head_dim=8", "rotary_dim=4", "num_experts=4",
          "moe_intermediate_size=16"]
 MCFG = config_lib.apply_overrides(config_lib.TINY, SMALL)
+# The command-line runs of a kill or a signal (here and in
+# test_interrupts.py) leave out the MTP module: what they check is the
+# resume, which restores it like every other parameter, and their programs
+# compile faster without it.
+NO_MTP = ("--override=num_mtp_modules=0", "--mtp_depth=0")
 
 
 def _corpus(tmp_path):
@@ -96,7 +101,8 @@ def _run_cli(workdir, corpus, cache, *extra):
          f"--workdir={workdir}", f"--data={corpus}", "--seq_len=32",
          "--batch_size=2", "--steps=14", "--log_every=1", "--eval_every=7",
          "--eval_batches=2", "--checkpoint_every=2", "--sample_tokens=0",
-         "--warmup_steps=2", *[f"--override={o}" for o in SMALL], *extra]
+         "--warmup_steps=2", *[f"--override={o}" for o in SMALL],
+         *NO_MTP, *extra]
   # Every program of the first process cached, however fast it compiled:
   # the later processes run the same programs and compile none.
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache,
