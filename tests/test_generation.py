@@ -279,13 +279,18 @@ def test_speculative_acceptance_rule_samples_the_target():
   p = rng.dirichlet(np.ones(V), size=K + 1).astype(np.float32)
   q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)
   keys = jax.random.split(jax.random.key(0), N + 1)
-  drafts = jax.vmap(lambda k: jax.vmap(jax.random.categorical)(
-      jax.random.split(k, K), jnp.log(q)))(keys[:N]).astype(jnp.int32)
-  logp = jnp.broadcast_to(jnp.log(p), (N, K + 1, V))
-  logq = jnp.broadcast_to(jnp.log(q), (N, K, V))
-  acc, tokens, lps = jax.jit(speculative.accept)(
-      drafts, logq, logp, logp, jnp.zeros(N, bool),
-      jax.random.split(keys[N], N))
+  accept = jax.jit(speculative.accept)
+
+  @jax.jit   # the drafts and the rule in one compile, not op by op
+  def sampled(keys):
+    drafts = jax.vmap(lambda k: jax.vmap(jax.random.categorical)(
+        jax.random.split(k, K), jnp.log(q)))(keys[:N]).astype(jnp.int32)
+    logp = jnp.broadcast_to(jnp.log(p), (N, K + 1, V))
+    logq = jnp.broadcast_to(jnp.log(q), (N, K, V))
+    return accept(drafts, logq, logp, logp, jnp.zeros(N, bool),
+                  jax.random.split(keys[N], N))
+
+  acc, tokens, lps = sampled(keys)
   tokens, acc = np.asarray(tokens), np.asarray(acc)
   first = np.bincount(tokens[:, 0], minlength=V) / N
   chi2 = N * np.sum((first - p[0]) ** 2 / p[0])
@@ -303,9 +308,10 @@ def test_speculative_acceptance_rule_samples_the_target():
   g_drafts = jnp.asarray([[np.argmax(p[0]), np.argmax(p[1])],
                           [np.argmax(p[0]), (np.argmax(p[1]) + 1) % V],
                           [(np.argmax(p[0]) + 1) % V, 0]], jnp.int32)
-  acc, tokens, _ = speculative.accept(
-      g_drafts, logq[:3], logp[:3], logp[:3], jnp.ones(3, bool),
-      jax.random.split(keys[0], 3))
+  logp = jnp.broadcast_to(jnp.log(p), (3, K + 1, V))
+  logq = jnp.broadcast_to(jnp.log(q), (3, K, V))
+  acc, tokens, _ = accept(g_drafts, logq, logp, logp, jnp.ones(3, bool),
+                          jax.random.split(keys[0], 3))
   np.testing.assert_array_equal(acc, [2, 1, 0])
   np.testing.assert_array_equal(np.asarray(tokens)[:, :1],
                                 [[np.argmax(p[0])]] * 3)

@@ -316,7 +316,7 @@ def test_experiment_continues_one_schedule_and_runs_both_arms(
   # Steps 0-2 base (warm-up 0-1, decay from step 2), 3-4 MTP only (it
   # settles at its 2nd update: window 1, any improvement < 100x), 5-6 each
   # arm.
-  kwargs = dict(base_steps=3, growth_steps=4, depth=3, inits=("copy",),
+  kwargs = dict(base_steps=3, growth_steps=4, depth=2, inits=("copy",),
                 mtp_only_max_steps=3, learning_rate=1e-2, decay_fraction=0.75,
                 warmup_steps=2, settle=mtp_growth.Plateau(1, tol=100.0))
   results = mtp_growth.run_experiment(MCFG, dcfg, str(tmp_path / "exp"),
@@ -376,7 +376,7 @@ def test_experiment_continues_one_schedule_and_runs_both_arms(
                        ("after_mtp_only_to_end", 4)):
     assert re.search(rf"copy\s+{phase}\s+{steps}\s", table), table
 
-  grown_config = MCFG.replace(num_mtp_modules=3)
+  grown_config = MCFG.replace(num_mtp_modules=2)
   with pytest.raises(ValueError, match="init_state does not have the layout"):
     pretrain(grown_config, b_tc, dcfg, str(tmp_path / "wrong"),
              init_state=base_end, progress=False)
