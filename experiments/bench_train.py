@@ -210,6 +210,7 @@ def main(argv):
       if not r["dense"] and "error" not in r:
         r["moe_over_dense"] = r["step_s"] / dense_run["step_s"]
   profiles = [r.pop("profile") for r in result["runs"] if "profile" in r]
+  B_T = FLAGS.batch_size * FLAGS.seq_len
   print(f"\n{result['device']}: {FLAGS.preset} B={FLAGS.batch_size} "
         f"T={FLAGS.seq_len}; dense matmul {result['dense_bf16_matmul_tflops']:.0f}"
         " TFLOP/s")
@@ -219,8 +220,7 @@ def main(argv):
     else:
       ratio = (f"  {r['moe_over_dense']:.2f}x the dense step"
                if "moe_over_dense" in r else "")
-      waited = (r["tokens_per_sec"] * r["step_s"]
-                / r["step_s_each_waited_for"])
+      waited = B_T / r["step_s_each_waited_for"]
       print(f"  {r['label']:>11}: {r['tokens_per_sec']:>10,.0f} tok/s  "
             f"MFU {r['mfu'] or 0:.1%}  {r['peak_memory_gib']:.1f} GiB"
             f"{ratio}  ({waited:,.0f} tok/s with each step waited for)")

@@ -106,13 +106,14 @@ def _router_logits_fwd(x_TxD, router_DxE):
 
 def _router_logits_bwd(res, g_TxE):
   x_TxD, router_DxE = res
-  g_hi, g_lo = _bf16_pieces(g_TxE, 2)
+  g_pieces = _bf16_pieces(g_TxE, 3)
+  g_hi, g_lo = g_pieces[:2]
   r_hi, r_lo = _bf16_pieces(router_DxE, 2)
   # g @ r^T ~ g_hi r_hi + g_hi r_lo + g_lo r_hi: one matmul over 3E.
   dx = jnp.dot(jnp.concatenate([g_hi, g_hi, g_lo], axis=-1),
                jnp.concatenate([r_hi, r_lo, r_hi], axis=-1).T,
                preferred_element_type=jnp.float32)
-  drouter = _dot_of_pieces(x_TxD.T, _bf16_pieces(g_TxE, 3))
+  drouter = _dot_of_pieces(x_TxD.T, g_pieces)
   return dx.astype(x_TxD.dtype), drouter
 
 
